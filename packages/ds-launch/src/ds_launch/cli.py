@@ -1,0 +1,260 @@
+"""``ds-launch``: start a training script on one or many machines, DeepSpeed's launcher style.
+
+    ds-launch [options] user_script.py [script args]
+
+Standard library only: the launcher never imports torch, so it starts in a few tens of ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+
+from . import __version__
+from .resources import (
+    DEFAULT_HOSTFILE,
+    LaunchError,
+    check_hostname,
+    check_port_free,
+    count_local_accelerators,
+    is_local_address,
+    parse_hostfile,
+    select_resources,
+)
+from .runners import LAUNCHERS, LaunchCommand, build_commands
+from .spec import DEFAULT_MASTER_PORT, NodeSpec, add_program_arguments, program_from_args
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit code 2, no usage dump
+        raise LaunchError(f"{message} (see ds-launch --help)")
+
+
+def _count(name: str):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{name} must be a positive integer, got {value}")
+        return value
+    return parse
+
+
+def _port(text: str) -> int:
+    if not text.isdigit() or not 1 <= int(text) <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port number 1-65535, got {text!r}")
+    return int(text)
+
+
+def _node_rank(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text!r}")
+    return int(text)
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be a non-negative number of seconds, got {text!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="ds-launch",
+        description="Launch a distributed training script on this machine or across a cluster. "
+                    "Every rank gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, "
+                    "MASTER_PORT, CROSS_RANK and CROSS_SIZE (as under torchrun).",
+        allow_abbrev=False,
+    )
+    p.add_argument("--version", action="version", version=f"ds-launch {__version__}")
+    r = p.add_argument_group("resources")
+    r.add_argument("-H", "--hostfile", default=None,
+                   help=f"'hostname slots=N' per line (default: {DEFAULT_HOSTFILE} if it exists, else this machine)")
+    r.add_argument("-i", "--include", default="",
+                   help="use only these hosts/slots, e.g. 'host1:0,1@host2' (DeepSpeed syntax)")
+    r.add_argument("-e", "--exclude", default="", help="use every host/slot but these, e.g. 'host1:0@host3'")
+    r.add_argument("--num_nodes", type=_count("--num_nodes"), default=None, help="use the first N hosts")
+    r.add_argument("--num_gpus", "--num_accelerators", "--num_procs", dest="num_procs",
+                   type=_count("--num_gpus"), default=None,
+                   help="processes per node (default: one per GPU, or 1 on a machine without GPUs)")
+    r.add_argument("--node_rank", type=_node_rank, default=None,
+                   help="start only this node's ranks here (run ds-launch on each node yourself, as with torchrun)")
+    n = p.add_argument_group("rendezvous and multi-node")
+    n.add_argument("--master_addr", default="",
+                   help="address of rank 0 (default: 127.0.0.1 on one node, else the first host)")
+    n.add_argument("--master_port", type=_port, default=DEFAULT_MASTER_PORT, help="rank 0's TCP port (default 29500)")
+    n.add_argument("--launcher", choices=LAUNCHERS, default=None,
+                   help="how to reach other nodes (default: ssh when there is more than one)")
+    n.add_argument("--launcher_args", default="", help="extra arguments for the launcher command, as one string")
+    n.add_argument("--ssh_port", type=_port, default=None, help="ssh port of the remote nodes")
+    n.add_argument("--force_multi", action="store_true",
+                   help="use the multi-node launcher even for a single node")
+    b = p.add_argument_group("processes")
+    b.add_argument("--bind_cores_to_rank", action="store_true",
+                   help="split this node's cores evenly among its ranks and set OMP_NUM_THREADS")
+    b.add_argument("--bind_core_list", default=None, help="the cores to split, e.g. '0-7,16-23'")
+    b.add_argument("--enable_each_rank_log", metavar="DIR", default=None,
+                   help="write each rank's stdout and stderr to DIR/rank<N>.log")
+    b.add_argument("--save_pid", nargs="?", const="", default=None, metavar="PATH",
+                   help="write the launcher's pid to PATH (default: <tmp>/ds-launch-<pid>.pid)")
+    b.add_argument("--kill_grace", type=_seconds, default=5.0,
+                   help="seconds between SIGTERM and SIGKILL when stopping ranks (default 5)")
+    b.add_argument("--dry_run", action="store_true",
+                   help="print every node's command and environment, start nothing")
+    add_program_arguments(p)
+    return p
+
+
+def _warn(message: str) -> None:
+    print(f"ds-launch: warning: {message}", file=sys.stderr)
+
+
+def _check_program(program) -> None:
+    if program.mode == "script" and not os.path.isfile(program.target):
+        raise LaunchError(f"user script {program.target!r} not found (working directory {os.getcwd()})")
+    if program.mode == "exec" and shutil.which(program.target) is None:
+        raise LaunchError(f"executable {program.target!r} not found on PATH or not executable")
+
+
+def _resources(args):
+    hostfile = args.hostfile
+    if hostfile is None and os.path.isfile(DEFAULT_HOSTFILE):
+        hostfile = DEFAULT_HOSTFILE
+    if hostfile is not None:
+        available = parse_hostfile(hostfile)
+    else:
+        gpus = count_local_accelerators()
+        available = {"localhost": list(range(gpus or args.num_procs or 1))}
+    return select_resources(available, args.include, args.exclude, args.num_nodes, args.num_procs)
+
+
+def make_plan(argv: list[str]):
+    """Parse and check the command line: (args, spec, multi-node launcher or None)."""
+    args = build_parser().parse_args(argv)
+    program = program_from_args(args)
+    _check_program(program)
+    if args.bind_core_list and not args.bind_cores_to_rank:
+        raise LaunchError("--bind_core_list needs --bind_cores_to_rank")
+    if args.node_rank is not None and (args.launcher or args.force_multi):
+        raise LaunchError("--node_rank starts one node's ranks here; it cannot be combined with --launcher/--force_multi")
+    world = _resources(args)
+    multi = args.node_rank is None and (len(world) > 1 or args.force_multi)
+    if args.node_rank is not None and args.node_rank >= len(world):
+        raise LaunchError(f"--node_rank {args.node_rank} is outside 0..{len(world) - 1} (the hosts: {', '.join(world)})")
+    if not multi:
+        unused = [o for o, v in (("--launcher", args.launcher), ("--launcher_args", args.launcher_args),
+                                 ("--ssh_port", args.ssh_port)) if v]
+        if unused:
+            _warn(f"{', '.join(unused)} ignored: this is a single-node launch (add --force_multi to use them)")
+    if args.master_addr:
+        master = args.master_addr
+    elif multi or args.node_rank is not None:
+        master = next(iter(world))
+    else:
+        master = "127.0.0.1"
+    check_hostname(master, "--master_addr")
+    node_rank = args.node_rank or 0
+    spec = NodeSpec(world, node_rank, master, args.master_port, program, args.bind_cores_to_rank,
+                    args.bind_core_list, args.enable_each_rank_log, args.kill_grace)
+    launcher = (args.launcher or "ssh") if multi else None
+    return args, spec, launcher
+
+
+def _print_dry_run(spec: NodeSpec, commands: list[LaunchCommand] | None) -> None:
+    where = f"launcher {commands[0].argv[0]}" if commands else "this machine"
+    print(f"ds-launch dry run: {len(spec.world)} node(s), {spec.world_size} rank(s), "
+          f"master {spec.master_addr}:{spec.master_port}, {where}")
+    for cmd in commands or []:
+        print(f"\n[{cmd.label}] local command:")
+        for path, content in cmd.files.items():
+            print(f"  file {path}:\n" + "".join(f"    {line}\n" for line in content.splitlines()), end="")
+        for name, value in cmd.env.items():
+            print(f"  env {name}={shlex.quote(value)}")
+        print(f"  {shlex.join(cmd.argv)}")
+    nodes = range(len(spec.world)) if commands else [spec.node_rank]
+    local_gpus = count_local_accelerators()
+    for node in nodes:
+        node_spec = dataclasses.replace(spec, node_rank=node)
+        host = node_spec.hosts[node]
+        print(f"\n[node {node} ({host})] ranks, as the node agent starts them:")
+        for plan in node_spec.plan(accelerators=local_gpus):
+            cores = f"  (cores {','.join(map(str, plan.cpus))})" if plan.cpus else ""
+            print(f"  rank {plan.rank}, local rank {plan.local_rank}{cores}:")
+            print("    env " + " ".join(f"{k}={shlex.quote(v)}" for k, v in plan.env.items()))
+            print(f"    {shlex.join(plan.argv)}")
+
+
+def _run_multi(spec: NodeSpec, commands: list[LaunchCommand]) -> int:
+    from .supervise import Supervisor, spawn
+
+    written = []
+    try:
+        for cmd in commands:
+            for path, content in cmd.files.items():
+                with open(path, "w", encoding="utf-8") as f:
+                    f.write(content)
+                written.append(path)
+        children = []
+        try:
+            for cmd in commands:
+                children.append(spawn(cmd.label, cmd.argv, {**os.environ, **cmd.env},
+                                      stdin=subprocess.PIPE if cmd.watch_stdin else None))
+        except OSError as e:
+            Supervisor(children, spec.kill_grace).stop()
+            raise LaunchError(f"{e.strerror}; is {commands[0].argv[0]} installed?") from None
+        return Supervisor(children, spec.kill_grace).run()
+    finally:
+        for path in written:
+            os.unlink(path)
+
+
+def run(argv: list[str]) -> int:
+    args, spec, launcher = make_plan(argv)
+    commands = None
+    if launcher:
+        commands = build_commands(launcher, spec, args.launcher_args, args.ssh_port)
+    if args.dry_run:
+        _print_dry_run(spec, commands)
+        return 0
+    if spec.node_rank == 0 and is_local_address(spec.master_addr):
+        check_port_free(spec.master_addr, spec.master_port)
+    pid_file = None
+    if args.save_pid is not None:
+        pid_file = args.save_pid or os.path.join(tempfile.gettempdir(), f"ds-launch-{os.getpid()}.pid")
+        with open(pid_file, "w", encoding="utf-8") as f:
+            f.write(f"{os.getpid()}\n")
+    try:
+        if commands:
+            return _run_multi(spec, commands)
+        from .node import run_node
+
+        return run_node(spec)
+    finally:
+        if pid_file:
+            os.unlink(pid_file)
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        return run(sys.argv[1:] if argv is None else argv)
+    except LaunchError as e:
+        print(f"ds-launch: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
