@@ -1,0 +1,147 @@
+"""The one way to build, test and run ds.  ``python3 -m nox --list`` shows every session.
+
+* ``tests``: every package installed editable in one virtualenv, then each package's tests.
+* ``standalone-<pkg>``: a fresh virtualenv with only that package (not editable), its own tests.
+* ``build``: a wheel of every package into ``.nox/wheelhouse``; ``lint``: ruff;
+  ``bench``: every ``packages/*/benchmarks/bench_*.py``; ``demo``: the main job.
+
+The README's test command is ``nox -t ci``: ``tests`` plus the standalone sessions of
+``STANDALONE_IN_CI`` and ``lint``. torch is pinned in every install (an unpinned torch pulls
+gigabytes of CUDA wheels).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from pathlib import Path
+
+import nox
+from nox.command import CommandFailed
+
+ROOT = Path(__file__).parent
+TORCH = "torch==2.13.0"
+TEST_DEPS = ["pytest>=8", "pytest-timeout>=2.3", "numpy", TORCH]
+# Packages in dependency order (lower layers first): one pip command installs them together.
+PACKAGES = ["ds-ops", "ds-profiler", "ds-launch", "ds-comm", "ds-io", "ds-compress", "ds-zero", "ds-pipe", "ds-all"]
+PACKAGES = [p for p in PACKAGES if (ROOT / "packages" / p / "pyproject.toml").exists()]
+# Packages whose issue asks for "installable and testable alone" in the test command.
+STANDALONE_IN_CI = ["ds-launch"]
+WHEELHOUSE = ROOT / ".nox" / "wheelhouse"
+
+nox.options.error_on_missing_interpreters = True
+nox.options.sessions = ["tests"]
+
+
+def _timed(func):
+    """Print how long the session took (nox's own summary leaves it out)."""
+    def wrapper(session: nox.Session) -> None:
+        start = time.monotonic()
+        try:
+            func(session)
+        finally:
+            session.log(f"session {session.name} took {time.monotonic() - start:.1f} s")
+    wrapper.__name__ = func.__name__
+    wrapper.__doc__ = func.__doc__
+    return wrapper
+
+
+def _pytest(session: nox.Session, package: str, *extra: str) -> None:
+    # Exit code 5 ("no tests ran") is a failure like any other: every package has tests.
+    session.run("pytest", f"packages/{package}/tests", "-p", "no:cacheprovider", *extra, *session.posargs,
+                success_codes=[0])
+
+
+def _ensure_sshd(session: nox.Session) -> None:
+    """ds-launch's multi-node test runs a real sshd on loopback; install it when we can."""
+    if shutil.which("sshd") or Path("/usr/sbin/sshd").exists():
+        return
+    if os.geteuid() != 0 or not shutil.which("apt-get"):
+        session.warn("sshd is missing and cannot be installed (needs root and apt-get): the ssh test will skip")
+        return
+    env = {"DEBIAN_FRONTEND": "noninteractive"}
+    try:
+        session.run("apt-get", "update", "-q", external=True, env=env, silent=True)
+        session.run("apt-get", "install", "-y", "-q", "--no-install-recommends", "openssh-server",
+                    "openssh-client", external=True, env=env, silent=True)
+    except CommandFailed:
+        session.warn("apt-get could not install openssh-server: the ssh test will skip")
+
+
+@nox.session(tags=["ci"])
+@_timed
+def tests(session: nox.Session) -> None:
+    """Every package editable in one virtualenv, then each package's tests."""
+    _ensure_sshd(session)
+    session.install(*TEST_DEPS, *(a for p in PACKAGES for a in ("-e", f"packages/{p}")))
+    failed = []
+    for package in PACKAGES:
+        try:
+            _pytest(session, package)
+        except CommandFailed:
+            failed.append(package)
+    if failed:
+        session.error(f"tests failed in: {', '.join(failed)}")
+
+
+def _standalone(package: str):
+    @_timed
+    def session_func(session: nox.Session) -> None:
+        if package == "ds-launch":
+            _ensure_sshd(session)
+        session.install(*TEST_DEPS, f"packages/{package}")
+        # Run from inside the tests folder so that nothing of the source tree is importable.
+        session.chdir(ROOT / "packages" / package)
+        session.run("pytest", "tests", "-p", "no:cacheprovider", *session.posargs, success_codes=[0])
+
+    session_func.__doc__ = f"Only {package}, installed from its directory (not editable), and its tests."
+    return session_func
+
+
+for _package in PACKAGES:
+    if _package != "ds-all":
+        globals()[f"standalone_{_package}"] = nox.session(
+            name=f"standalone-{_package}", tags=["ci"] if _package in STANDALONE_IN_CI else []
+        )(_standalone(_package))
+
+
+@nox.session(tags=["ci"])
+@_timed
+def lint(session: nox.Session) -> None:
+    """ruff over the whole repository."""
+    session.install("ruff>=0.6")
+    session.run("ruff", "check", ".")
+
+
+@nox.session
+@_timed
+def build(session: nox.Session) -> None:
+    """A wheel of every package into .nox/wheelhouse (then: pip install --find-links .nox/wheelhouse ds-all)."""
+    session.install("build>=1.0")
+    if WHEELHOUSE.exists():
+        shutil.rmtree(WHEELHOUSE)
+    for package in PACKAGES:
+        session.run("python", "-m", "build", "--wheel", "--outdir", str(WHEELHOUSE), f"packages/{package}")
+    session.log(f"wheels: {', '.join(sorted(p.name for p in WHEELHOUSE.glob('*.whl')))}")
+
+
+@nox.session
+@_timed
+def bench(session: nox.Session) -> None:
+    """Every packages/*/benchmarks/bench_*.py: ours against the baseline, with ratios."""
+    session.install(TORCH, "numpy", *(a for p in PACKAGES for a in ("-e", f"packages/{p}")))
+    scripts = sorted(ROOT.glob("packages/*/benchmarks/bench_*.py"))
+    if not scripts:
+        session.log("no benchmarks yet")
+    for script in scripts:
+        session.run("python", str(script), *session.posargs)
+
+
+@nox.session
+@_timed
+def demo(session: nox.Session) -> None:
+    """The main job: ds-launch starts 2 ranks that train a tiny model data-parallel on gloo."""
+    session.install(TORCH, "numpy", "packages/ds-launch", "packages/ds-all")
+    session.run("ds-launch", "--num_procs", "2",
+                "packages/ds-all/examples/train_data_parallel.py", *session.posargs)

@@ -1,0 +1,105 @@
+"""Bad input: a one-line error naming the value, exit code 2, never a traceback, nothing started."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.fixture
+def script(tmp_path):
+    path = tmp_path / "train.py"
+    path.write_text("import sys; open(sys.argv[-1], 'w').write('ran')\n")
+    return path
+
+
+def _hostfile(folder, text: str) -> str:
+    folder.mkdir(exist_ok=True)
+    path = folder / "hostfile"
+    path.write_text(text)
+    return str(path)
+
+
+CASES = {
+    "missing script": (["missing_script.py"], "user script 'missing_script.py' not found"),
+    "missing executable": (["--no_python", "no-such-program-xyz"], "executable 'no-such-program-xyz' not found"),
+    "module and no_python": (["--module", "--no_python", "x"], "--module and --no_python cannot be used together"),
+    "negative procs": (["--num_procs", "-2", "{script}"], "--num_gpus must be a positive integer, got -2"),
+    "zero nodes": (["--num_nodes", "0", "{script}"], "--num_nodes must be a positive integer, got 0"),
+    "word count": (["--num_gpus", "two", "{script}"], "--num_gpus must be an integer, got 'two'"),
+    "bad port": (["--master_port", "70000", "{script}"], "must be a TCP port number 1-65535, got '70000'"),
+    "bad launcher": (["--launcher", "rsh", "{script}"], "invalid choice: 'rsh'"),
+    "missing hostfile": (["--hostfile", "{tmp}/nope", "{script}"], "cannot read hostfile {tmp}/nope"),
+    "hostfile is a directory": (["--hostfile", "{tmp}", "{script}"], "cannot read hostfile {tmp}"),
+    "malformed hostfile": (["--hostfile", "{bad_hostfile}", "{script}"], "line 3: expected 'hostname slots=N', got 'b slots'"),
+    "include unknown host": (["--hostfile", "{hostfile}", "--include", "c", "{script}"], "host 'c' is not among the hosts (a, b)"),
+    "include unknown slot": (["--hostfile", "{hostfile}", "--include", "a:5", "{script}"], "host 'a' has no slot 5"),
+    "exclude unknown host": (["--hostfile", "{hostfile}", "--exclude", "z:0", "{script}"], "host 'z' is not among the hosts"),
+    "include and exclude": (["--hostfile", "{hostfile}", "-i", "a", "-e", "b", "{script}"], "cannot be used together"),
+    "include and num_nodes": (["--hostfile", "{hostfile}", "-i", "a", "--num_nodes", "1", "{script}"], "cannot be combined"),
+    "too many nodes": (["--hostfile", "{hostfile}", "--num_nodes", "3", "{script}"], "--num_nodes 3 asks for more nodes than the 2 available"),
+    "node_rank out of range": (["--hostfile", "{hostfile}", "--node_rank", "2", "{script}"], "--node_rank 2 is outside 0..1"),
+    "node_rank with launcher": (["--hostfile", "{hostfile}", "--node_rank", "1", "--launcher", "ssh", "{script}"], "cannot be combined with --launcher"),
+    "core list without binding": (["--bind_core_list", "0", "{script}"], "--bind_core_list needs --bind_cores_to_rank"),
+    "bad core list": (["--bind_cores_to_rank", "--bind_core_list", "0-x", "{script}"], "--bind_core_list '0-x'"),
+    "unknown option": (["--num_gpu", "2", "{script}"], "unrecognized arguments"),
+    "no script": ([], "the following arguments are required: user_script"),
+    "bad master addr": (["--master_addr", "$(reboot)", "{script}"], "--master_addr: invalid hostname '$(reboot)'"),
+    "mpich uneven": (["--hostfile", "{uneven}", "--launcher", "mpich", "{script}"], "needs the same number of processes on every node, got a=2, b=1"),
+    "openmpi picks slots": (["--hostfile", "{hostfile}", "-i", "a:1@b", "--launcher", "openmpi", "{script}"], "cannot pick slots"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_bad_input_is_one_line_and_exit_2(case, tmp_path, script, run_launcher):
+    args, message = CASES[case]
+    values = {
+        "script": str(script), "tmp": str(tmp_path),
+        "hostfile": _hostfile(tmp_path, "a slots=2\nb slots=2\n"),
+        "bad_hostfile": _hostfile(tmp_path / "bad", "a slots=1\n# ok\nb slots\n"),
+        "uneven": _hostfile(tmp_path / "uneven", "a slots=2\nb slots=1\n"),
+    }
+    marker_file = tmp_path / "ran-marker"
+    argv = [a.format(**values) for a in args]
+    if "{script}" in args:  # the script writes this file if it ever runs
+        argv.append(str(marker_file))
+    result = run_launcher(*argv, timeout=30)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("ds-launch: error: ")
+    assert message.format(**values) in lines[0]
+    assert "Traceback" not in result.stderr
+    assert not marker_file.exists(), "the program ran despite the error"
+
+
+def test_taken_port_is_a_clear_error(tmp_path, script, run_launcher):
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        result = run_launcher("--master_port", str(port), str(script), str(tmp_path / "ran"), timeout=30)
+    assert result.returncode == 2
+    assert f"ds-launch: error: --master_port {port} is already in use on 127.0.0.1" in result.stderr
+    assert "--master_port" in result.stderr.splitlines()[-1]
+    assert not (tmp_path / "ran").exists()
+
+
+def test_help_starts_without_torch():
+    code = ("import sys, runpy; sys.argv = ['ds-launch', '--help']\n"
+            "try:\n    runpy.run_module('ds_launch', run_name='__main__')\nexcept SystemExit:\n    pass\n"
+            "heavy = [m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy')]\n"
+            "print('HEAVY', heavy)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "usage: ds-launch" in out
+    assert "HEAVY []" in out
+
+
+def test_unused_multinode_options_warn_on_a_single_node(tmp_path, script, run_launcher, port):
+    result = run_launcher("--launcher", "pdsh", "--master_port", str(port), str(script), str(tmp_path / "ran"))
+    assert result.returncode == 0, result.stderr
+    assert "warning: --launcher ignored: this is a single-node launch" in result.stderr
+    assert (tmp_path / "ran").read_text() == "ran"
