@@ -48,7 +48,7 @@ def test_hostfile_errors_name_the_line(tmp_path, text, message):
 def test_unreadable_hostfile(tmp_path):
     with pytest.raises(LaunchError, match=f"cannot read hostfile {tmp_path}"):
         parse_hostfile(str(tmp_path))  # a directory
-    with pytest.raises(LaunchError, match="cannot read hostfile .*missing"):
+    with pytest.raises(LaunchError, match=r"cannot read hostfile .*missing"):
         parse_hostfile(str(tmp_path / "missing"))
 
 

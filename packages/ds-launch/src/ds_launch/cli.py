@@ -206,15 +206,14 @@ def _run_multi(spec: NodeSpec, commands: list[LaunchCommand]) -> int:
                 with open(path, "w", encoding="utf-8") as f:
                     f.write(content)
                 written.append(path)
-        children = []
-        try:
+        with Supervisor(spec.kill_grace) as supervisor:
             for cmd in commands:
-                children.append(spawn(cmd.label, cmd.argv, {**os.environ, **cmd.env},
-                                      stdin=subprocess.PIPE if cmd.watch_stdin else None))
-        except OSError as e:
-            Supervisor(children, spec.kill_grace).stop()
-            raise LaunchError(f"{e.strerror}; is {commands[0].argv[0]} installed?") from None
-        return Supervisor(children, spec.kill_grace).run()
+                try:
+                    supervisor.add(spawn(cmd.label, cmd.argv, {**os.environ, **cmd.env},
+                                         stdin=subprocess.PIPE if cmd.watch_stdin else None))
+                except OSError as e:
+                    raise LaunchError(f"{e.strerror}; is {cmd.argv[0]} installed?") from None
+            return supervisor.watch()
     finally:
         for path in written:
             os.unlink(path)

@@ -23,29 +23,28 @@ def run_node(spec: NodeSpec, watch_stdin: bool = False) -> int:
     plans = spec.plan(accelerators=count_local_accelerators())
     if spec.log_dir:
         os.makedirs(spec.log_dir, exist_ok=True)
-    if watch_stdin:
-        # Started over ssh: our stdin is the connection. EOF means the launcher closed it or died,
-        # so the ranks must go too.
-        threading.Thread(target=_stop_on_eof, daemon=True).start()
-    children = []
-    try:
-        for plan in plans:
-            log = os.path.join(spec.log_dir, f"rank{plan.rank}.log") if spec.log_dir else None
-            children.append(spawn(plan.label, plan.argv, {**os.environ, **plan.env}, cpus=plan.cpus,
-                                  log_path=log, stdin=subprocess.DEVNULL if watch_stdin else None))
-    except OSError as e:
-        Supervisor(children, spec.kill_grace).stop()
-        raise LaunchError(str(e)) from None
     host = spec.hosts[spec.node_rank]
     name = "ds-launch" if len(spec.world) == 1 else f"ds-launch[node {spec.node_rank} {host}]"
-    return Supervisor(children, spec.kill_grace, name=name).run()
+    with Supervisor(spec.kill_grace, name=name) as supervisor:
+        if watch_stdin:
+            # Started over ssh: our stdin is the connection. EOF means the launcher closed it or
+            # died, so the ranks must go too (the signal handler is in place by now).
+            threading.Thread(target=_stop_on_eof, daemon=True).start()
+        for plan in plans:
+            log = os.path.join(spec.log_dir, f"rank{plan.rank}.log") if spec.log_dir else None
+            try:
+                supervisor.add(spawn(plan.label, plan.argv, {**os.environ, **plan.env}, cpus=plan.cpus,
+                                     log_path=log, stdin=subprocess.DEVNULL if watch_stdin else None))
+            except OSError as e:
+                raise LaunchError(str(e)) from None
+        return supervisor.watch()
 
 
 def _stop_on_eof() -> None:
     try:
-        while sys.stdin.buffer.read(65536):
+        while os.read(0, 65536):  # the raw fd: a buffered reader's lock would block shutdown
             pass
-    except (OSError, ValueError):
+    except OSError:
         pass
     os.kill(os.getpid(), signal.SIGTERM)
 

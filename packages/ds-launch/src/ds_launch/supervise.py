@@ -20,6 +20,7 @@ from dataclasses import dataclass
 logger = logging.getLogger(__name__)
 
 _POLL_SECONDS = 0.02
+_REMOTE_EXTRA_SECONDS = 5.0
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
@@ -76,25 +77,39 @@ def exit_code(returncode: int) -> int:
 
 
 class Supervisor:
-    """Wait for children; on the first failure or a stop signal, stop every one of them."""
+    """Wait for children; on the first failure or a stop signal, stop every one of them.
 
-    def __init__(self, children: list[Child], kill_grace: float, name: str = "ds-launch"):
-        self.children = children
+    Use as a context manager: the signal handlers are in place before the first child starts,
+    and leaving the block stops whatever is still running.
+    """
+
+    def __init__(self, kill_grace: float, name: str = "ds-launch"):
+        self.children: list[Child] = []
         self.kill_grace = kill_grace
         self.name = name
         self._signal: int | None = None
+        self._previous: dict = {}
 
     def _on_signal(self, signum, frame) -> None:
         self._signal = self._signal or signum
 
-    def run(self) -> int:
-        previous = {s: signal.signal(s, self._on_signal) for s in _STOP_SIGNALS}
+    def __enter__(self) -> Supervisor:
+        self._previous = {s: signal.signal(s, self._on_signal) for s in _STOP_SIGNALS}
+        return self
+
+    def __exit__(self, *exc) -> None:
         try:
-            return self._watch()
+            self.stop(signal.SIGTERM)  # also reaps what finished children left in their groups
         finally:
-            self.stop(signal.SIGTERM)  # reaps leftovers of finished groups too
-            for s, handler in previous.items():
+            for s, handler in self._previous.items():
                 signal.signal(s, handler)
+
+    def add(self, child: Child) -> None:
+        self.children.append(child)
+
+    def watch(self) -> int:
+        """Block until every child succeeded (0), one failed (its code) or a signal came (128+N)."""
+        return self._watch()
 
     def _watch(self) -> int:
         running = list(self.children)
@@ -123,15 +138,22 @@ class Supervisor:
         print(f"{self.name}: {message}", file=sys.stderr, flush=True)
 
     def stop(self, signum: int = signal.SIGTERM) -> None:
-        """Signal every child's process group, then SIGKILL what is still alive after the grace."""
+        """Stop every child and what it started, then SIGKILL what is still alive after the grace.
+
+        A child with a stdin pipe is an ssh client whose remote node agent takes EOF as "stop":
+        it gets EOF instead of a signal, and more time, since the agent first waits out its own
+        grace for its ranks. Its exit then means the remote ranks are gone too.
+        """
+        start = time.monotonic()
         for child in self.children:
             if child.process.stdin:
-                child.process.stdin.close()  # a remote node agent takes EOF as "stop"
-            _signal_group(child.process.pid, signum)
-        deadline = time.monotonic() + self.kill_grace
+                child.process.stdin.close()
+            else:
+                _signal_group(child.process.pid, signum)
         for child in self.children:
+            grace = self.kill_grace * 2 + _REMOTE_EXTRA_SECONDS if child.process.stdin else self.kill_grace
             try:
-                child.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+                child.process.wait(timeout=max(0.0, start + grace - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
         for child in self.children:

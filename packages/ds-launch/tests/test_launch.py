@@ -1,0 +1,213 @@
+"""Local launches with real processes: environment, program modes, failure, signals, orphans."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from ds_launch.affinity import available_cores, split_cores
+
+ALL_REDUCE = textwrap.dedent("""
+    import json, os, sys
+    import torch, torch.distributed as dist
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t)
+    with open(os.path.join(os.environ["DUMP_DIR"], f"sum{rank}.json"), "w") as f:
+        json.dump({"sum": t.item(), "world": world, "rank": rank}, f)
+    dist.destroy_process_group()
+""")
+
+# Rank 0 starts a grandchild, then lets rank 1 fail (through a FIFO, so no timing is assumed)
+# and blocks; everything must be gone when the launcher returns.
+FAILING = textwrap.dedent("""
+    import os, signal, subprocess, sys
+    fifo, marker, code = sys.argv[-3], sys.argv[-2], int(sys.argv[-1])
+    if os.environ["RANK"] == "0":
+        if os.environ.get("IGNORE_TERM"):
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        subprocess.Popen([sys.executable, "-c", "import signal; signal.pause()", marker])
+        with open(fifo, "w") as f:
+            f.write("go")
+        signal.pause()
+    else:
+        with open(fifo) as f:
+            f.read()
+        print("rank 1 failing on purpose", flush=True)
+        sys.exit(code)
+""")
+
+# Both ranks report ready, then block until a signal; rank 0 may ignore SIGINT/SIGTERM.
+BLOCKING = textwrap.dedent("""
+    import os, signal, sys
+    if os.environ["RANK"] == "0" and os.environ.get("STUBBORN"):
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    print(f"ready {os.environ['RANK']}", flush=True)
+    while True:
+        signal.pause()
+""")
+
+
+def _write(tmp_path, name: str, text: str):
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_two_ranks_all_reduce_over_gloo(tmp_path, dump, run_launcher, port):
+    script = _write(tmp_path, "all_reduce.py", ALL_REDUCE)
+    _, out, _ = dump
+    result = run_launcher("--num_procs", "2", "--master_port", str(port), str(script), env={"DUMP_DIR": str(out)})
+    assert result.returncode == 0, result.stderr
+    import json
+
+    sums = [json.loads((out / f"sum{r}.json").read_text()) for r in range(2)]
+    assert [s["sum"] for s in sums] == [3.0, 3.0]  # 1 + 2 on every rank
+    assert [(s["rank"], s["world"]) for s in sums] == [(0, 2), (1, 2)]
+
+
+def test_every_rank_gets_torchrun_variables_and_local_rank(dump, run_launcher, port):
+    script, out, read = dump
+    result = run_launcher("--num_procs", "2", "--master_port", str(port), str(script), "--lr", "0.1", "two words",
+                          env={"DUMP_DIR": str(out)})
+    assert result.returncode == 0, result.stderr
+    for rank in range(2):
+        record = read(rank)
+        assert record["argv"] == [f"--local_rank={rank}", "--lr", "0.1", "two words"]
+        env = record["env"]
+        assert env["RANK"] == env["LOCAL_RANK"] == env["ROLE_RANK"] == str(rank)
+        assert env["WORLD_SIZE"] == env["LOCAL_WORLD_SIZE"] == env["ROLE_WORLD_SIZE"] == "2"
+        assert env["MASTER_ADDR"] == "127.0.0.1" and env["MASTER_PORT"] == str(port)
+        assert env["CROSS_RANK"] == env["GROUP_RANK"] == "0"
+        assert env["CROSS_SIZE"] == env["GROUP_WORLD_SIZE"] == "1"
+        assert env["OMP_NUM_THREADS"] == os.environ.get("OMP_NUM_THREADS")  # untouched without binding
+
+
+def test_module_no_python_and_no_local_rank(tmp_path, dump, run_launcher, port):
+    script, out, read = dump
+    env = {"DUMP_DIR": str(out), "PYTHONPATH": str(script.parent)}
+    result = run_launcher("--master_port", str(port), "--module", "--no_local_rank", "dump_rank", "x", env=env)
+    assert result.returncode == 0, result.stderr
+    assert read(0)["argv"] == ["x"]
+
+    wrapper = _write(tmp_path, "wrapper.sh", f'#!/bin/sh\nexec "{sys.executable}" "{script}" "$@"\n')
+    wrapper.chmod(0o755)
+    result = run_launcher("--master_port", str(port), "--no_python", str(wrapper), "y", env=env)
+    assert result.returncode == 0, result.stderr
+    assert read(0)["argv"] == ["--local_rank=0", "y"]
+
+
+def test_failing_rank_stops_the_others_and_leaves_no_process(tmp_path, run_launcher, marker, alive, port):
+    script = _write(tmp_path, "failing.py", FAILING)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    logs = tmp_path / "logs"
+    start = time.monotonic()
+    result = run_launcher("--num_procs", "2", "--master_port", str(port), "--enable_each_rank_log", str(logs),
+                          str(script), str(fifo), marker, "3", timeout=60)
+    elapsed = time.monotonic() - start
+    assert result.returncode == 3, result.stderr
+    assert f"ds-launch: rank 1 (local rank 1 on node 0, localhost) exited with code 3; its log: {logs}/rank1.log" \
+        in result.stderr
+    assert "rank 1 failing on purpose" in (logs / "rank1.log").read_text()
+    assert elapsed < 15, f"the launcher took {elapsed:.1f} s to give up"
+    assert alive(marker) == []
+
+
+def test_a_rank_that_ignores_sigterm_is_killed_after_the_grace(tmp_path, run_launcher, marker, alive, port):
+    script = _write(tmp_path, "failing.py", FAILING)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    result = run_launcher("--num_procs", "2", "--master_port", str(port), "--kill_grace", "0.5", str(script),
+                          str(fifo), marker, "7", env={"IGNORE_TERM": "1"}, timeout=60)
+    assert result.returncode == 7, result.stderr
+    assert "its output is above" in result.stderr
+    assert alive(marker) == []
+
+
+@pytest.mark.parametrize("signum, stubborn", [(signal.SIGINT, False), (signal.SIGTERM, False), (signal.SIGINT, True)])
+def test_signal_to_the_launcher_stops_every_rank(tmp_path, marker, alive, port, signum, stubborn):
+    script = _write(tmp_path, "blocking.py", BLOCKING)
+    env = {**os.environ, **({"STUBBORN": "1"} if stubborn else {})}
+    launcher = subprocess.Popen([sys.executable, "-m", "ds_launch", "--num_procs", "2", "--master_port", str(port),
+                                 "--kill_grace", "1", str(script), marker],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        ready = {launcher.stdout.readline().strip() for _ in range(2)}
+        assert ready == {"ready 0", "ready 1"}
+        assert len(set(alive(marker)) - {launcher.pid}) == 2  # the two ranks
+        launcher.send_signal(signum)
+        assert launcher.wait(timeout=30) == 128 + signum
+    finally:
+        launcher.kill()
+        launcher.communicate()
+    assert alive(marker) == []
+
+
+def test_save_pid_and_rank_logs(tmp_path, dump, run_launcher, port):
+    script, out, read = dump
+    pid_file = tmp_path / "launcher.pid"
+    reader = _write(tmp_path, "pid_reader.py", textwrap.dedent(f"""
+        import os, runpy, sys
+        print("hello from rank", os.environ["RANK"])
+        assert int(open({str(pid_file)!r}).read()) == os.getppid(), "the pid file names the launcher"
+        runpy.run_path({str(script)!r}, run_name="__main__")
+    """))
+    logs = tmp_path / "logs"
+    result = run_launcher("--num_procs", "2", "--master_port", str(port), "--save_pid", str(pid_file),
+                          "--enable_each_rank_log", str(logs), str(reader), env={"DUMP_DIR": str(out)})
+    assert result.returncode == 0, result.stderr
+    assert not pid_file.exists(), "the pid file is removed when the launch ends"
+    for rank in range(2):
+        assert (logs / f"rank{rank}.log").read_text().startswith(f"hello from rank {rank}")
+        assert read(rank)["env"]["RANK"] == str(rank)
+
+
+@pytest.mark.skipif(len(available_cores()) < 2, reason="needs at least 2 usable cores")
+def test_bind_cores_to_rank(dump, run_launcher, port):
+    script, out, read = dump
+    result = run_launcher("--num_procs", "2", "--master_port", str(port), "--bind_cores_to_rank", str(script),
+                          env={"DUMP_DIR": str(out)})
+    assert result.returncode == 0, result.stderr
+    expected = split_cores(2, None, available_cores())
+    for rank in range(2):
+        record = read(rank)
+        assert tuple(record["cpus"]) == expected[rank]
+        assert record["env"]["OMP_NUM_THREADS"] == str(len(expected[rank]))
+    assert set(read(0)["cpus"]).isdisjoint(read(1)["cpus"])
+
+
+def test_node_rank_runs_one_node_each_like_torchrun(tmp_path, dump, port):
+    """Two ds-launch invocations, one per "node", form one world of 2 ranks."""
+    script = _write(tmp_path, "all_reduce.py", ALL_REDUCE)
+    _, out, _ = dump
+    hostfile = _write(tmp_path, "hostfile", "localhost slots=1\n127.0.0.1 slots=1\n")
+    env = {**os.environ, "DUMP_DIR": str(out)}
+    nodes = [subprocess.Popen([sys.executable, "-m", "ds_launch", "--hostfile", str(hostfile), "--node_rank", str(n),
+                               "--master_addr", "127.0.0.1", "--master_port", str(port), str(script)],
+                              env=env, stderr=subprocess.PIPE, text=True) for n in range(2)]
+    for node in nodes:
+        _, err = node.communicate(timeout=120)
+        assert node.returncode == 0, err
+    import json
+
+    assert [json.loads((out / f"sum{r}.json").read_text())["sum"] for r in range(2)] == [3.0, 3.0]
+
+
+def test_dry_run_prints_the_plan_and_starts_nothing(tmp_path, dump, run_launcher, port):
+    script, out, _ = dump
+    result = run_launcher("--num_procs", "2", "--master_port", str(port), "--dry_run", str(script), "--flag",
+                          env={"DUMP_DIR": str(out)})
+    assert result.returncode == 0, result.stderr
+    assert list(out.iterdir()) == []
+    assert "ds-launch dry run: 1 node(s), 2 rank(s)" in result.stdout
+    assert f"{sys.executable} -u {script} --local_rank=1 --flag" in result.stdout
+    assert "RANK=1" in result.stdout and f"MASTER_PORT={port}" in result.stdout

@@ -1,0 +1,170 @@
+"""Commands built for remote shells and for MPI/SLURM: hostile values stay data, never code."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+from ds_launch import LaunchError
+from ds_launch.rank_env import resolve
+from ds_launch.runners import build_commands, forwarded_env, read_env_file, remote_shell_command
+from ds_launch.spec import NodeSpec, Program, encode_world
+
+HOSTILE = [
+    "$(touch {sentinel})",
+    "`touch {sentinel}`",
+    "; touch {sentinel}",
+    "' ; touch {sentinel} ; '",
+    '" ; touch {sentinel} ; "',
+    "\n touch {sentinel}\n",
+    "&& touch {sentinel} #",
+    "| touch {sentinel}",
+    "> {sentinel}",
+    "%n %h ${{HOME}} \\ \\' *",
+]
+
+
+def _hostile(sentinel) -> list[str]:
+    return [h.format(sentinel=sentinel) for h in HOSTILE]
+
+
+@pytest.mark.parametrize("launcher", ["ssh", "pdsh"])
+def test_hostile_arguments_env_and_cwd_survive_a_real_shell_unchanged(tmp_path, dump, launcher, port):
+    """Build the remote command, run it through sh -c as the remote side would: the rank must
+    receive every hostile string byte for byte and no injected command may run."""
+    script, out, read = dump
+    sentinel = tmp_path / "INJECTED"
+    values = _hostile(sentinel)
+    cwd = tmp_path / "dir with 'quotes' and $(touch x) spaces"
+    cwd.mkdir()
+    environ = {"PATH": os.environ["PATH"], "NCCL_HOSTILE": values[0], "PYTHONPATH": os.environ.get("PYTHONPATH", ""),
+               "UCX_HOSTILE": values[3], "DS_ENV_FILE": str(tmp_path / "env_file")}
+    (tmp_path / "env_file").write_text("".join(f"HOSTILE_{i}={v}\n" for i, v in enumerate(values) if "\n" not in v)
+                                       + f"DUMP_DIR={out}\n")
+    spec = NodeSpec({"localhost": [0]}, 0, "127.0.0.1", port, Program(str(script), tuple(values)))
+    command = build_commands(launcher, spec, environ=environ, cwd=str(cwd))[0]
+    remote = command.argv[-1]
+    if launcher == "pdsh":
+        assert "--node_rank %n" in remote
+        remote = remote.replace("--node_rank %n", "--node_rank 0")  # what pdsh does for the first host
+    errors = tmp_path / "stderr"
+    with open(errors, "wb") as err:
+        shell = subprocess.Popen(["sh", "-c", remote], stdin=subprocess.PIPE, stderr=err)
+        shell.wait(timeout=60)  # stdin stays open meanwhile: the ssh node agent takes EOF as "stop"
+        shell.stdin.close()
+    assert shell.returncode == 0, errors.read_text()
+    assert not sentinel.exists(), "a hostile value ran as shell code"
+    record = read(0)
+    assert record["argv"] == ["--local_rank=0", *values]
+    assert record["cwd"] == str(cwd)
+    assert record["env"]["NCCL_HOSTILE"] == values[0]
+    assert record["env"]["UCX_HOSTILE"] == values[3]
+    for i, v in enumerate(values):
+        if "\n" not in v:
+            assert record["env"][f"HOSTILE_{i}"] == v
+
+
+def test_ssh_command_shape():
+    spec = NodeSpec({"node-a": [0, 1], "node-b": [0, 1]}, 0, "node-a", 29500, Program("train.py", ("--x",)))
+    commands = build_commands("ssh", spec, launcher_args="-F '/my config'", ssh_port=2222, environ={"PATH": "/bin"},
+                              cwd="/work")
+    assert [c.label for c in commands] == ["node 0 (node-a)", "node 1 (node-b)"]
+    for i, c in enumerate(commands):
+        assert c.argv[:8] == ["ssh", "-o", "BatchMode=yes", "-p", "2222", "-F", "/my config", "--"]
+        assert c.argv[8] == ["node-a", "node-b"][i]
+        assert c.watch_stdin
+        remote = shlex.split(c.argv[9])
+        assert remote[:4] == ["cd", "/work", "&&", "export"]
+        assert "PATH=/bin" in remote
+        assert remote[remote.index("--node_rank") + 1] == str(i)
+        assert "--watch_stdin" in remote
+        assert remote[-3:] == ["--", "train.py", "--x"]
+
+
+def test_mpi_and_slurm_command_shapes(tmp_path):
+    spec = NodeSpec({"a": [0, 1], "b": [0, 1]}, 0, "a", 29500, Program("train.py"))
+    env = {"PATH": "/bin", "NCCL_DEBUG": "INFO", "HOME": "/root"}
+    (openmpi,) = build_commands("openmpi", spec, environ=env, cwd=str(tmp_path))
+    assert openmpi.argv[:3] == ["mpirun", "-n", "4"]
+    hostfile = openmpi.argv[openmpi.argv.index("-hostfile") + 1]
+    assert openmpi.files == {hostfile: "a slots=2\nb slots=2\n"}
+    assert openmpi.argv[openmpi.argv.index("NCCL_DEBUG") - 1:openmpi.argv.index("NCCL_DEBUG") + 1] == ["-x", "NCCL_DEBUG"]
+    assert openmpi.env["NCCL_DEBUG"] == "INFO" and "HOME" not in openmpi.env
+    (mpich,) = build_commands("mpich", spec, environ=env, cwd=str(tmp_path))
+    assert mpich.argv[:7] == ["mpirun", "-n", "4", "-ppn", "2", "-hosts", "a,b"]
+    assert "-genv" in mpich.argv
+    (srun,) = build_commands("slurm", spec, environ=env, cwd=str(tmp_path))
+    assert srun.argv[:9] == ["srun", "-n", "4", "--nodes", "2", "--ntasks-per-node", "2", "--nodelist", "a,b"]
+    for command in (openmpi, mpich, srun):
+        shim = command.argv[command.argv.index("ds_launch.rank_env") - 3:]
+        assert shim[:4] == [sys.executable, "-u", "-m", "ds_launch.rank_env"]
+        assert shim[-2:] == ["--", "train.py"]
+
+
+def test_env_file_errors_name_the_line(tmp_path):
+    path = tmp_path / ".deepspeed_env"
+    path.write_text("A=1\n# comment\n\nB=x=y\nnot valid\n")
+    with pytest.raises(LaunchError, match=r"\.deepspeed_env line 5: expected NAME=value, got 'not valid'"):
+        read_env_file(str(path))
+    path.write_text("A=1\nB=x=y\n")
+    assert read_env_file(str(path)) == {"A": "1", "B": "x=y"}
+
+
+def test_forwarded_env_takes_prefixes_then_home_then_cwd_files(tmp_path):
+    home, cwd = tmp_path / "home", tmp_path / "cwd"
+    home.mkdir()
+    cwd.mkdir()
+    (home / ".deepspeed_env").write_text("X=home\nY=home\n")
+    (cwd / ".deepspeed_env").write_text("Y=cwd\n")
+    environ = {"PATH": "/bin", "NCCL_A": "1", "PYTHONPATH": "/p", "MV2_B": "2", "UCX_C": "3", "DS_D": "4",
+               "SECRET_TOKEN": "no", "HOME": "/root"}
+    env = forwarded_env(environ, cwd=str(cwd), home=str(home))
+    assert env == {"PATH": "/bin", "NCCL_A": "1", "PYTHONPATH": "/p", "MV2_B": "2", "UCX_C": "3", "DS_D": "4",
+                   "X": "home", "Y": "cwd"}
+
+
+def test_remote_shell_command_rejects_bad_variable_names():
+    with pytest.raises(LaunchError, match="not a valid shell name"):
+        remote_shell_command(["true"], {"A;B": "1"}, "/")
+
+
+@pytest.mark.parametrize("env, rank, local_rank, node", [
+    ({"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "1"}, 3, 1, 1),
+    ({"PMI_RANK": "1", "PMI_SIZE": "4", "MPI_LOCALRANKID": "1"}, 1, 1, 0),
+    ({"SLURM_PROCID": "2", "SLURM_NTASKS": "4", "SLURM_LOCALID": "0"}, 2, 0, 1),
+])
+def test_rank_shim_maps_launcher_variables(env, rank, local_rank, node):
+    world = {"a": [0, 1], "b": [0, 1]}
+    plan = resolve(world, "a", 29500, Program("train.py"), env)
+    assert (plan.rank, plan.local_rank, plan.node_rank, plan.host) == (rank, local_rank, node, "ab"[node])
+    assert plan.env["RANK"] == str(rank) and plan.env["CROSS_RANK"] == str(node)
+    assert plan.env["WORLD_SIZE"] == "4" and plan.env["LOCAL_WORLD_SIZE"] == "2"
+
+
+@pytest.mark.parametrize("env, message", [
+    ({}, "no launcher told this process its rank"),
+    ({"PMI_RANK": "0", "PMI_SIZE": "3"}, "the launcher started 3 processes, but the world has 4"),
+    ({"SLURM_PROCID": "1", "SLURM_NTASKS": "4", "SLURM_LOCALID": "0"}, "rank 1 is local rank 0 to the launcher but 1"),
+    ({"PMI_RANK": "x", "PMI_SIZE": "4"}, "are not integers"),
+])
+def test_rank_shim_errors(env, message):
+    with pytest.raises(LaunchError, match=message):
+        resolve({"a": [0, 1], "b": [0, 1]}, "a", 29500, Program("train.py"), env)
+
+
+def test_rank_shim_execs_the_program_with_the_rank_environment(dump):
+    script, out, read = dump
+    env = {**os.environ, "DUMP_DIR": str(out), "OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2",
+           "OMPI_COMM_WORLD_LOCAL_RANK": "0"}
+    world = encode_world({"a": [0], "b": [0]})
+    subprocess.run([sys.executable, "-m", "ds_launch.rank_env", "--world_info", world, "--master_addr", "a",
+                    "--master_port", "1234", "--", str(script), "arg"], env=env, check=True, timeout=60)
+    record = read(1)
+    assert record["argv"] == ["--local_rank=0", "arg"]
+    assert record["env"]["CROSS_RANK"] == "1" and record["env"]["MASTER_ADDR"] == "a"
+    assert json.dumps(record["env"]["MASTER_PORT"]) == '"1234"'
