@@ -6,15 +6,14 @@
   ``bench``: every ``packages/*/benchmarks/bench_*.py``; ``demo``: the main job.
 
 The README's test command is ``nox -t ci``: ``tests`` plus the standalone sessions of
-``STANDALONE_IN_CI`` and ``lint``. torch is pinned in every install (an unpinned torch pulls
-gigabytes of CUDA wheels).
+``STANDALONE_IN_CI`` and ``lint``; nox's summary gives each session's time. torch is
+pinned in every install (an unpinned torch pulls gigabytes of CUDA wheels).
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-import time
 from pathlib import Path
 
 import nox
@@ -32,19 +31,6 @@ WHEELHOUSE = ROOT / ".nox" / "wheelhouse"
 
 nox.options.error_on_missing_interpreters = True
 nox.options.sessions = ["tests"]
-
-
-def _timed(func):
-    """Print how long the session took (nox's own summary leaves it out)."""
-    def wrapper(session: nox.Session) -> None:
-        start = time.monotonic()
-        try:
-            func(session)
-        finally:
-            session.log(f"session {session.name} took {time.monotonic() - start:.1f} s")
-    wrapper.__name__ = func.__name__
-    wrapper.__doc__ = func.__doc__
-    return wrapper
 
 
 def _pytest(session: nox.Session, package: str, *extra: str) -> None:
@@ -70,7 +56,6 @@ def _ensure_sshd(session: nox.Session) -> None:
 
 
 @nox.session(tags=["ci"])
-@_timed
 def tests(session: nox.Session) -> None:
     """Every package editable in one virtualenv, then each package's tests."""
     _ensure_sshd(session)
@@ -86,7 +71,6 @@ def tests(session: nox.Session) -> None:
 
 
 def _standalone(package: str):
-    @_timed
     def session_func(session: nox.Session) -> None:
         if package == "ds-launch":
             _ensure_sshd(session)
@@ -107,7 +91,6 @@ for _package in PACKAGES:
 
 
 @nox.session(tags=["ci"])
-@_timed
 def lint(session: nox.Session) -> None:
     """ruff over the whole repository."""
     session.install("ruff>=0.6")
@@ -115,7 +98,6 @@ def lint(session: nox.Session) -> None:
 
 
 @nox.session
-@_timed
 def build(session: nox.Session) -> None:
     """A wheel of every package into .nox/wheelhouse (then: pip install --find-links .nox/wheelhouse ds-all)."""
     session.install("build>=1.0")
@@ -127,7 +109,6 @@ def build(session: nox.Session) -> None:
 
 
 @nox.session
-@_timed
 def bench(session: nox.Session) -> None:
     """Every packages/*/benchmarks/bench_*.py: ours against the baseline, with ratios."""
     session.install(TORCH, "numpy", *(a for p in PACKAGES for a in ("-e", f"packages/{p}")))
@@ -139,7 +120,6 @@ def bench(session: nox.Session) -> None:
 
 
 @nox.session
-@_timed
 def demo(session: nox.Session) -> None:
     """The main job: ds-launch starts 2 ranks that train a tiny model data-parallel on gloo."""
     session.install(TORCH, "numpy", "packages/ds-launch", "packages/ds-all")
