@@ -84,6 +84,13 @@ def marker():
     assert not leftovers, f"processes survived the test: {leftovers}"
 
 
+@pytest.fixture(autouse=True)
+def cpu_only(monkeypatch):
+    """The launches here are CPU/gloo launches, also on a machine with GPUs (where the default
+    would be one rank per GPU). The GPU logic has its own tests without processes."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+
+
 @pytest.fixture
 def port() -> int:
     return free_port()

@@ -48,6 +48,8 @@ CASES = {
     "unknown option": (["--num_gpu", "2", "{script}"], "unrecognized arguments"),
     "no script": ([], "the following arguments are required: user_script"),
     "bad master addr": (["--master_addr", "$(reboot)", "{script}"], "--master_addr: invalid hostname '$(reboot)'"),
+    "unwritable log dir": (["--enable_each_rank_log", "/proc/no/such/dir", "{script}"], "--enable_each_rank_log /proc/no/such/dir: cannot create"),
+    "unwritable pid file": (["--save_pid", "/proc/no/such.pid", "{script}"], "--save_pid /proc/no/such.pid: cannot write the pid file"),
     "mpich uneven": (["--hostfile", "{uneven}", "--launcher", "mpich", "{script}"], "needs the same number of processes on every node, got a=2, b=1"),
     "openmpi picks slots": (["--hostfile", "{hostfile}", "-i", "a:1@b", "--launcher", "openmpi", "{script}"], "cannot pick slots"),
 }

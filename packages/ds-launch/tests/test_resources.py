@@ -114,3 +114,21 @@ def test_split_cores_is_even_contiguous_and_complete():
         split_cores(3, None, [0, 1])
     with pytest.raises(LaunchError, match=r"names cores \[9\] that this process may not use"):
         split_cores(1, "8-9", list(range(9)))
+
+
+@pytest.mark.parametrize("visible, count", [("", 0), ("-1", 0), ("0", 1), ("0,1,3", 3), ("GPU-uuid-a,GPU-uuid-b", 2)])
+def test_accelerator_count_honours_cuda_visible_devices(monkeypatch, visible, count):
+    from ds_launch.resources import count_local_accelerators
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    assert count_local_accelerators() == count
+
+
+def test_gpu_nodes_get_their_slots_as_cuda_visible_devices():
+    from ds_launch.spec import NodeSpec, Program
+
+    spec = NodeSpec({"a": [0, 1, 2, 3], "b": [1, 3]}, 1, "a", 29500, Program("train.py"))
+    plans = spec.plan(accelerators=4)
+    assert [p.env["CUDA_VISIBLE_DEVICES"] for p in plans] == ["1,3", "1,3"]
+    assert [(p.rank, p.local_rank) for p in plans] == [(4, 0), (5, 1)]
+    assert all("CUDA_VISIBLE_DEVICES" not in p.env for p in spec.plan(accelerators=0))

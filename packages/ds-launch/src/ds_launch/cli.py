@@ -232,8 +232,11 @@ def run(argv: list[str]) -> int:
     pid_file = None
     if args.save_pid is not None:
         pid_file = args.save_pid or os.path.join(tempfile.gettempdir(), f"ds-launch-{os.getpid()}.pid")
-        with open(pid_file, "w", encoding="utf-8") as f:
-            f.write(f"{os.getpid()}\n")
+        try:
+            with open(pid_file, "w", encoding="utf-8") as f:
+                f.write(f"{os.getpid()}\n")
+        except OSError as e:
+            raise LaunchError(f"--save_pid {pid_file}: cannot write the pid file: {e.strerror}") from None
     try:
         if commands:
             return _run_multi(spec, commands)

@@ -22,7 +22,10 @@ def run_node(spec: NodeSpec, watch_stdin: bool = False) -> int:
     """Start the ranks of ``spec.node_rank`` and wait for them; returns the launch's exit code."""
     plans = spec.plan(accelerators=count_local_accelerators())
     if spec.log_dir:
-        os.makedirs(spec.log_dir, exist_ok=True)
+        try:
+            os.makedirs(spec.log_dir, exist_ok=True)
+        except OSError as e:
+            raise LaunchError(f"--enable_each_rank_log {spec.log_dir}: cannot create the directory: {e.strerror}") from None
     host = spec.hosts[spec.node_rank]
     name = "ds-launch" if len(spec.world) == 1 else f"ds-launch[node {spec.node_rank} {host}]"
     with Supervisor(spec.kill_grace, name=name) as supervisor:
