@@ -33,37 +33,38 @@ nox.options.error_on_missing_interpreters = True
 nox.options.sessions = ["tests"]
 
 
-def _pytest(session: nox.Session, package: str, *extra: str) -> None:
-    # Exit code 5 ("no tests ran") is a failure like any other: every package has tests.
-    session.run("pytest", f"packages/{package}/tests", "-p", "no:cacheprovider", *extra, *session.posargs,
-                success_codes=[0])
+def _pytest(session: nox.Session, *args: str) -> None:
+    # Only exit code 0 passes (nox's default, stated here on purpose): pytest's 5, "no tests ran",
+    # fails the session like any other failure, since every package has tests.
+    session.run("pytest", *args, "-p", "no:cacheprovider", *session.posargs, success_codes=[0])
 
 
-def _ensure_sshd(session: nox.Session) -> None:
-    """ds-launch's multi-node test runs a real sshd on loopback; install it when we can."""
-    if shutil.which("sshd") or Path("/usr/sbin/sshd").exists():
+def _ensure_ssh_tools(session: nox.Session) -> None:
+    """ds-launch's multi-node tests run a real sshd on loopback, and pdsh over it; install them
+    when we can (root with apt-get), else those tests skip and say why."""
+    if (shutil.which("sshd") or Path("/usr/sbin/sshd").exists()) and shutil.which("pdsh"):
         return
     if os.geteuid() != 0 or not shutil.which("apt-get"):
-        session.warn("sshd is missing and cannot be installed (needs root and apt-get): the ssh test will skip")
+        session.warn("sshd/pdsh are missing and cannot be installed (needs root and apt-get): those tests skip")
         return
     env = {"DEBIAN_FRONTEND": "noninteractive"}
     try:
         session.run("apt-get", "update", "-q", external=True, env=env, silent=True)
         session.run("apt-get", "install", "-y", "-q", "--no-install-recommends", "openssh-server",
-                    "openssh-client", external=True, env=env, silent=True)
+                    "openssh-client", "pdsh", external=True, env=env, silent=True)
     except CommandFailed:
-        session.warn("apt-get could not install openssh-server: the ssh test will skip")
+        session.warn("apt-get could not install openssh-server/pdsh: those tests skip")
 
 
 @nox.session(tags=["ci"])
 def tests(session: nox.Session) -> None:
     """Every package editable in one virtualenv, then each package's tests."""
-    _ensure_sshd(session)
+    _ensure_ssh_tools(session)
     session.install(*TEST_DEPS, *(a for p in PACKAGES for a in ("-e", f"packages/{p}")))
     failed = []
     for package in PACKAGES:
         try:
-            _pytest(session, package)
+            _pytest(session, f"packages/{package}/tests")
         except CommandFailed:
             failed.append(package)
     if failed:
@@ -73,11 +74,12 @@ def tests(session: nox.Session) -> None:
 def _standalone(package: str):
     def session_func(session: nox.Session) -> None:
         if package == "ds-launch":
-            _ensure_sshd(session)
+            _ensure_ssh_tools(session)
         session.install(*TEST_DEPS, f"packages/{package}")
-        # Run from inside the tests folder so that nothing of the source tree is importable.
+        # From the package folder, so pytest reads its pyproject; the sources live under src/,
+        # which is not on sys.path, so the tests can only import the installed package.
         session.chdir(ROOT / "packages" / package)
-        session.run("pytest", "tests", "-p", "no:cacheprovider", *session.posargs, success_codes=[0])
+        _pytest(session, "tests")
 
     session_func.__doc__ = f"Only {package}, installed from its directory (not editable), and its tests."
     return session_func

@@ -97,6 +97,12 @@ def port() -> int:
 
 
 @pytest.fixture
+def new_port():
+    """A function returning a free port, for tests that need more than one."""
+    return free_port
+
+
+@pytest.fixture
 def run_launcher():
     return launch
 

@@ -27,8 +27,8 @@ CASES = {
     "missing script": (["missing_script.py"], "user script 'missing_script.py' not found"),
     "missing executable": (["--no_python", "no-such-program-xyz"], "executable 'no-such-program-xyz' not found"),
     "module and no_python": (["--module", "--no_python", "x"], "--module and --no_python cannot be used together"),
-    "negative procs": (["--num_procs", "-2", "{script}"], "--num_gpus must be a positive integer, got -2"),
-    "zero nodes": (["--num_nodes", "0", "{script}"], "--num_nodes must be a positive integer, got 0"),
+    "negative procs": (["--num_procs", "-2", "{script}"], "--num_gpus must be an integer from 1 to 4096, got -2"),
+    "zero nodes": (["--num_nodes", "0", "{script}"], "--num_nodes must be an integer from 1 to 4096, got 0"),
     "word count": (["--num_gpus", "two", "{script}"], "--num_gpus must be an integer, got 'two'"),
     "bad port": (["--master_port", "70000", "{script}"], "must be a TCP port number 1-65535, got '70000'"),
     "bad launcher": (["--launcher", "rsh", "{script}"], "invalid choice: 'rsh'"),
@@ -50,6 +50,15 @@ CASES = {
     "bad master addr": (["--master_addr", "$(reboot)", "{script}"], "--master_addr: invalid hostname '$(reboot)'"),
     "unwritable log dir": (["--enable_each_rank_log", "/proc/no/such/dir", "{script}"], "--enable_each_rank_log /proc/no/such/dir: cannot create"),
     "unwritable pid file": (["--save_pid", "/proc/no/such.pid", "{script}"], "--save_pid /proc/no/such.pid: cannot write the pid file"),
+    "huge procs": (["--num_procs", "3000000000", "{script}"], "--num_gpus must be an integer from 1 to 4096, got 3000000000"),
+    "huge slots": (["--hostfile", "{huge}", "{script}"], "line 1: slots must be an integer from 1 to 4096, got '10000000000'"),
+    "superscript slot": (["--hostfile", "{hostfile}", "-i", "a:\u00b2", "{script}"], "slot '\u00b2' of host 'a' is not a non-negative integer"),
+    "superscript core": (["--bind_cores_to_rank", "--bind_core_list", "\u00b2", "{script}"], "is not a core number"),
+    "huge core range": (["--bind_cores_to_rank", "--bind_core_list", "0-3000000000", "{script}"], "core 3000000000 is beyond 65535"),
+    "empty core list": (["--bind_cores_to_rank", "--bind_core_list", "", "{script}"], "'' is not a core number"),
+    "unbalanced launcher args": (["--hostfile", "{hostfile}", "--launcher_args", "'", "{script}"], "--launcher_args \"'\": No closing quotation"),
+    "infinite grace": (["--kill_grace", "inf", "{script}"], "must be a number of seconds from 0 to 3600, got 'inf'"),
+    "env file not utf-8": (["--hostfile", "{hostfile}", "{script}"], "not UTF-8 text"),
     "mpich uneven": (["--hostfile", "{uneven}", "--launcher", "mpich", "{script}"], "needs the same number of processes on every node, got a=2, b=1"),
     "openmpi picks slots": (["--hostfile", "{hostfile}", "-i", "a:1@b", "--launcher", "openmpi", "{script}"], "cannot pick slots"),
 }
@@ -63,12 +72,17 @@ def test_bad_input_is_one_line_and_exit_2(case, tmp_path, script, run_launcher):
         "hostfile": _hostfile(tmp_path, "a slots=2\nb slots=2\n"),
         "bad_hostfile": _hostfile(tmp_path / "bad", "a slots=1\n# ok\nb slots\n"),
         "uneven": _hostfile(tmp_path / "uneven", "a slots=2\nb slots=1\n"),
+        "huge": _hostfile(tmp_path / "huge", "a slots=10000000000\n"),
     }
+    env = {}
+    if case == "env file not utf-8":
+        (tmp_path / "bad_env").write_bytes(b"A=\xff\xfe\n")
+        env["DS_ENV_FILE"] = str(tmp_path / "bad_env")
     marker_file = tmp_path / "ran-marker"
     argv = [a.format(**values) for a in args]
     if "{script}" in args:  # the script writes this file if it ever runs
         argv.append(str(marker_file))
-    result = run_launcher(*argv, timeout=30)
+    result = run_launcher(*argv, timeout=30, env=env)
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
@@ -88,6 +102,12 @@ def test_taken_port_is_a_clear_error(tmp_path, script, run_launcher):
     assert f"ds-launch: error: --master_port {port} is already in use on 127.0.0.1" in result.stderr
     assert "--master_port" in result.stderr.splitlines()[-1]
     assert not (tmp_path / "ran").exists()
+
+
+def test_ipv6_master_addr_is_accepted(tmp_path, script, run_launcher, port):
+    result = run_launcher("--master_addr", "::1", "--master_port", str(port), "--dry_run", str(script))
+    assert result.returncode == 0, result.stderr
+    assert "MASTER_ADDR=::1" in result.stdout
 
 
 def test_help_starts_without_torch():

@@ -211,3 +211,69 @@ def test_dry_run_prints_the_plan_and_starts_nothing(tmp_path, dump, run_launcher
     assert "ds-launch dry run: 1 node(s), 2 rank(s)" in result.stdout
     assert f"{sys.executable} -u {script} --local_rank=1 --flag" in result.stdout
     assert "RANK=1" in result.stdout and f"MASTER_PORT={port}" in result.stdout
+
+
+def test_ranks_die_with_a_sigkilled_launcher(tmp_path, marker, alive, port):
+    """PR_SET_PDEATHSIG: even a launcher killed with SIGKILL leaves no rank behind."""
+    script = _write(tmp_path, "blocking.py", BLOCKING)
+    launcher = subprocess.Popen([sys.executable, "-m", "ds_launch", "--num_procs", "2", "--master_port", str(port),
+                                 str(script), marker], stdout=subprocess.PIPE, text=True,
+                                env={**os.environ, "STUBBORN": "1"})  # rank 0 ignores SIGTERM and SIGINT
+    try:
+        assert {launcher.stdout.readline().strip() for _ in range(2)} == {"ready 0", "ready 1"}
+        launcher.kill()
+        launcher.wait(timeout=30)
+    finally:
+        launcher.kill()
+        launcher.communicate()
+    deadline = time.monotonic() + 10  # the kernel delivers the signal at once; exiting takes a moment
+    while alive(marker) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert alive(marker) == []
+
+
+FAKE_MPIRUN = textwrap.dedent("""
+    #!{python}
+    # A stand-in for Open MPI's mpirun: records its hostfile, then starts -n copies of the command
+    # with the OMPI_COMM_WORLD_* variables set, host by host, as `--map-by slot` does.
+    import json, os, subprocess, sys
+    args = sys.argv[1:]
+    n = int(args[args.index("-n") + 1])
+    hostfile = args[args.index("-hostfile") + 1]
+    slots = [int(line.split("slots=")[1]) for line in open(hostfile)]
+    json.dump({{"hostfile": hostfile, "content": open(hostfile).read(), "argv": args}},
+              open(os.environ["FAKE_MPIRUN_RECORD"], "w"))
+    command = args[args.index("--map-by") + 2:]
+    procs, rank = [], 0
+    for size in slots:
+        for local in range(size):
+            env = dict(os.environ, OMPI_COMM_WORLD_RANK=str(rank), OMPI_COMM_WORLD_SIZE=str(n),
+                       OMPI_COMM_WORLD_LOCAL_RANK=str(local), OMPI_COMM_WORLD_LOCAL_SIZE=str(size))
+            procs.append(subprocess.Popen(command, env=env))
+            rank += 1
+    sys.exit(max(p.wait() for p in procs))
+""")
+
+
+def test_openmpi_launch_through_a_stand_in_mpirun(tmp_path, dump, run_launcher, port):
+    script, out, read = dump
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    mpirun = _write(bin_dir, "mpirun", FAKE_MPIRUN.format(python=sys.executable).lstrip())
+    mpirun.chmod(0o755)
+    hostfile = _write(tmp_path, "hostfile", "a slots=2\nb slots=1\n")
+    (tmp_path / ".deepspeed_env").write_text(f"DUMP_DIR={out}\n")
+    record = tmp_path / "mpirun.json"
+    result = run_launcher("--hostfile", str(hostfile), "--launcher", "openmpi", "--master_addr", "127.0.0.1",
+                          "--master_port", str(port), str(script), "x", cwd=tmp_path,
+                          env={"PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_MPIRUN_RECORD": str(record)})
+    assert result.returncode == 0, result.stderr
+    import json
+
+    seen = json.loads(record.read_text())
+    assert seen["content"] == "a slots=2\nb slots=1\n"
+    assert not os.path.exists(seen["hostfile"]), "the temporary hostfile is removed after the launch"
+    layout = [(read(r)["env"]["RANK"], read(r)["env"]["LOCAL_RANK"], read(r)["env"]["CROSS_RANK"]) for r in range(3)]
+    assert layout == [("0", "0", "0"), ("1", "1", "0"), ("2", "0", "1")]
+    assert [read(r)["env"]["LOCAL_WORLD_SIZE"] for r in range(3)] == ["2", "2", "1"]
+    assert all(read(r)["argv"] == [f"--local_rank={read(r)['env']['LOCAL_RANK']}", "x"] for r in range(3))

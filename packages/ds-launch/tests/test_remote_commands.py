@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import os
-import shlex
+import re
 import subprocess
 import sys
 
@@ -12,8 +12,8 @@ import pytest
 
 from ds_launch import LaunchError
 from ds_launch.rank_env import resolve
-from ds_launch.runners import build_commands, forwarded_env, read_env_file, remote_shell_command
-from ds_launch.spec import NodeSpec, Program, encode_world
+from ds_launch.runners import build_commands, forwarded_env, read_env_file, remote_command
+from ds_launch.spec import NodeSpec, Program
 
 HOSTILE = [
     "$(touch {sentinel})",
@@ -50,12 +50,12 @@ def test_hostile_arguments_env_and_cwd_survive_a_real_shell_unchanged(tmp_path, 
     command = build_commands(launcher, spec, environ=environ, cwd=str(cwd))[0]
     remote = command.argv[-1]
     if launcher == "pdsh":
-        assert "--node_rank %n" in remote
-        remote = remote.replace("--node_rank %n", "--node_rank 0")  # what pdsh does for the first host
+        assert "--node_rank %n" in remote and remote.count("%") == 1
+        remote = remote.replace("%n", "0")  # what pdsh does for the first host
     errors = tmp_path / "stderr"
     with open(errors, "wb") as err:
         shell = subprocess.Popen(["sh", "-c", remote], stdin=subprocess.PIPE, stderr=err)
-        shell.wait(timeout=60)  # stdin stays open meanwhile: the ssh node agent takes EOF as "stop"
+        shell.wait(timeout=60)  # stdin stays open meanwhile: the node agent takes EOF as "stop"
         shell.stdin.close()
     assert shell.returncode == 0, errors.read_text()
     assert not sentinel.exists(), "a hostile value ran as shell code"
@@ -69,6 +69,20 @@ def test_hostile_arguments_env_and_cwd_survive_a_real_shell_unchanged(tmp_path, 
             assert record["env"][f"HOSTILE_{i}"] == v
 
 
+def test_remote_command_lines_are_shell_neutral(tmp_path):
+    """No character any shell (sh, bash, zsh, fish, csh) treats specially reaches a remote shell."""
+    values = _hostile(tmp_path / "x")
+    spec = NodeSpec({"a": [0], "b": [0]}, 0, "a", 29500, Program("train.py", tuple(values)))
+    environ = {"PATH": "/bin", "NCCL_X": values[1]}
+    for launcher in ("ssh", "pdsh"):
+        for command in build_commands(launcher, spec, environ=environ, cwd=str(tmp_path)):
+            assert re.fullmatch(r"[A-Za-z0-9_./=%+ -]+", command.argv[-1]), command.argv[-1]
+    with pytest.raises(LaunchError, match="a remote command may hold only"):
+        remote_command(["/opt/my python/bin/python", "-u"])
+    with pytest.raises(LaunchError, match="--launcher_args"):
+        build_commands("ssh", spec, launcher_args="'unbalanced")
+
+
 def test_ssh_command_shape():
     spec = NodeSpec({"node-a": [0, 1], "node-b": [0, 1]}, 0, "node-a", 29500, Program("train.py", ("--x",)))
     commands = build_commands("ssh", spec, launcher_args="-F '/my config'", ssh_port=2222, environ={"PATH": "/bin"},
@@ -77,33 +91,31 @@ def test_ssh_command_shape():
     for i, c in enumerate(commands):
         assert c.argv[:8] == ["ssh", "-o", "BatchMode=yes", "-p", "2222", "-F", "/my config", "--"]
         assert c.argv[8] == ["node-a", "node-b"][i]
-        assert c.watch_stdin
-        remote = shlex.split(c.argv[9])
-        assert remote[:4] == ["cd", "/work", "&&", "export"]
-        assert "PATH=/bin" in remote
+        assert c.stop_with_eof
+        remote = c.argv[9].split()
+        assert remote[:4] == [sys.executable, "-u", "-m", "ds_launch.node"]
         assert remote[remote.index("--node_rank") + 1] == str(i)
-        assert "--watch_stdin" in remote
-        assert remote[-3:] == ["--", "train.py", "--x"]
+        assert remote[-1] == "--watch_stdin"
+        decoded = NodeSpec.decode(remote[remote.index("--spec") + 1], i)
+        assert decoded.cwd == "/work" and decoded.env == {"PATH": "/bin"}
+        assert decoded.program == spec.program and decoded.world == spec.world
 
 
 def test_mpi_and_slurm_command_shapes(tmp_path):
     spec = NodeSpec({"a": [0, 1], "b": [0, 1]}, 0, "a", 29500, Program("train.py"))
     env = {"PATH": "/bin", "NCCL_DEBUG": "INFO", "HOME": "/root"}
     (openmpi,) = build_commands("openmpi", spec, environ=env, cwd=str(tmp_path))
-    assert openmpi.argv[:3] == ["mpirun", "-n", "4"]
-    hostfile = openmpi.argv[openmpi.argv.index("-hostfile") + 1]
-    assert openmpi.files == {hostfile: "a slots=2\nb slots=2\n"}
-    assert openmpi.argv[openmpi.argv.index("NCCL_DEBUG") - 1:openmpi.argv.index("NCCL_DEBUG") + 1] == ["-x", "NCCL_DEBUG"]
-    assert openmpi.env["NCCL_DEBUG"] == "INFO" and "HOME" not in openmpi.env
+    assert openmpi.argv[:5] == ["mpirun", "-n", "4", "-hostfile", "{hostfile}"]
+    assert openmpi.files == {"{hostfile}": "a slots=2\nb slots=2\n"}
     (mpich,) = build_commands("mpich", spec, environ=env, cwd=str(tmp_path))
     assert mpich.argv[:7] == ["mpirun", "-n", "4", "-ppn", "2", "-hosts", "a,b"]
-    assert "-genv" in mpich.argv
     (srun,) = build_commands("slurm", spec, environ=env, cwd=str(tmp_path))
     assert srun.argv[:9] == ["srun", "-n", "4", "--nodes", "2", "--ntasks-per-node", "2", "--nodelist", "a,b"]
     for command in (openmpi, mpich, srun):
-        shim = command.argv[command.argv.index("ds_launch.rank_env") - 3:]
-        assert shim[:4] == [sys.executable, "-u", "-m", "ds_launch.rank_env"]
-        assert shim[-2:] == ["--", "train.py"]
+        shim = command.argv[-6:]
+        assert shim[:5] == [sys.executable, "-u", "-m", "ds_launch.rank_env", "--spec"]
+        decoded = NodeSpec.decode(shim[5])
+        assert decoded.env == {"PATH": "/bin", "NCCL_DEBUG": "INFO"} and decoded.cwd == str(tmp_path)
 
 
 def test_env_file_errors_name_the_line(tmp_path):
@@ -128,9 +140,7 @@ def test_forwarded_env_takes_prefixes_then_home_then_cwd_files(tmp_path):
                    "X": "home", "Y": "cwd"}
 
 
-def test_remote_shell_command_rejects_bad_variable_names():
-    with pytest.raises(LaunchError, match="not a valid shell name"):
-        remote_shell_command(["true"], {"A;B": "1"}, "/")
+WORLD = NodeSpec({"a": [0, 1], "b": [0, 1]}, 0, "a", 29500, Program("train.py"))
 
 
 @pytest.mark.parametrize("env, rank, local_rank, node", [
@@ -139,8 +149,7 @@ def test_remote_shell_command_rejects_bad_variable_names():
     ({"SLURM_PROCID": "2", "SLURM_NTASKS": "4", "SLURM_LOCALID": "0"}, 2, 0, 1),
 ])
 def test_rank_shim_maps_launcher_variables(env, rank, local_rank, node):
-    world = {"a": [0, 1], "b": [0, 1]}
-    plan = resolve(world, "a", 29500, Program("train.py"), env)
+    plan = resolve(WORLD, env)
     assert (plan.rank, plan.local_rank, plan.node_rank, plan.host) == (rank, local_rank, node, "ab"[node])
     assert plan.env["RANK"] == str(rank) and plan.env["CROSS_RANK"] == str(node)
     assert plan.env["WORLD_SIZE"] == "4" and plan.env["LOCAL_WORLD_SIZE"] == "2"
@@ -154,17 +163,28 @@ def test_rank_shim_maps_launcher_variables(env, rank, local_rank, node):
 ])
 def test_rank_shim_errors(env, message):
     with pytest.raises(LaunchError, match=message):
-        resolve({"a": [0, 1], "b": [0, 1]}, "a", 29500, Program("train.py"), env)
+        resolve(WORLD, env)
 
 
-def test_rank_shim_execs_the_program_with_the_rank_environment(dump):
+def test_rank_shim_execs_the_program_with_the_rank_environment(tmp_path, dump):
     script, out, read = dump
-    env = {**os.environ, "DUMP_DIR": str(out), "OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2",
-           "OMPI_COMM_WORLD_LOCAL_RANK": "0"}
-    world = encode_world({"a": [0], "b": [0]})
-    subprocess.run([sys.executable, "-m", "ds_launch.rank_env", "--world_info", world, "--master_addr", "a",
-                    "--master_port", "1234", "--", str(script), "arg"], env=env, check=True, timeout=60)
+    spec = NodeSpec({"a": [0], "b": [0]}, 0, "a", 1234, Program(str(script), ("arg",)), cwd=str(tmp_path),
+                    env={"DUMP_DIR": str(out), "NCCL_FROM_SPEC": "yes"})
+    env = {**os.environ, "OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "0"}
+    subprocess.run([sys.executable, "-m", "ds_launch.rank_env", "--spec", spec.encode()], env=env, check=True,
+                   timeout=60)
     record = read(1)
     assert record["argv"] == ["--local_rank=0", "arg"]
+    assert record["cwd"] == str(tmp_path)
     assert record["env"]["CROSS_RANK"] == "1" and record["env"]["MASTER_ADDR"] == "a"
-    assert json.dumps(record["env"]["MASTER_PORT"]) == '"1234"'
+    assert record["env"]["MASTER_PORT"] == "1234" and record["env"]["NCCL_FROM_SPEC"] == "yes"
+
+
+def test_spec_round_trips_and_rejects_garbage():
+    spec = NodeSpec({"a": [0, 2], "b": [1]}, 0, "a", 29500, Program("m", ("x", "y"), "module", False), True, "0-3",
+                    "/logs", 2.5, "/work", {"A": "1"})
+    assert NodeSpec.decode(spec.encode(), 1) == dataclasses.replace(spec, node_rank=1)
+    with pytest.raises(LaunchError, match="--spec is not a launch description"):
+        NodeSpec.decode("bm90IGpzb24=")
+    with pytest.raises(LaunchError, match=r"--node_rank 2 is outside 0\.\.1"):
+        NodeSpec.decode(spec.encode(), 2)

@@ -27,9 +27,9 @@ def test_hostfile_parses(tmp_path, text, expected):
 @pytest.mark.parametrize("text, message", [
     ("worker-0 slots=4\nworker-1\n", "line 2: expected 'hostname slots=N', got 'worker-1'"),
     ("worker-0 slots=4 extra\n", "line 1: expected 'hostname slots=N'"),
-    ("worker-0 slots=0\n", "line 1: slots must be a positive integer, got '0'"),
-    ("worker-0 slots=-2\n", "line 1: slots must be a positive integer, got '-2'"),
-    ("worker-0 slots=two\n", "line 1: slots must be a positive integer, got 'two'"),
+    ("worker-0 slots=0\n", "line 1: slots must be an integer from 1 to 4096, got '0'"),
+    ("worker-0 slots=-2\n", "line 1: slots must be an integer from 1 to 4096, got '-2'"),
+    ("worker-0 slots=two\n", "line 1: slots must be an integer from 1 to 4096, got 'two'"),
     ("a slots=1\n\na slots=2\n", "line 3: host 'a' is listed twice"),
     ("-oProxyCommand=touch slots=1\n", "line 1: invalid hostname '-oProxyCommand=touch'"),
     ("$(reboot) slots=1\n", "invalid hostname '$(reboot)'"),
@@ -117,18 +117,22 @@ def test_split_cores_is_even_contiguous_and_complete():
 
 
 @pytest.mark.parametrize("visible, count", [("", 0), ("-1", 0), ("0", 1), ("0,1,3", 3), ("GPU-uuid-a,GPU-uuid-b", 2)])
-def test_accelerator_count_honours_cuda_visible_devices(monkeypatch, visible, count):
-    from ds_launch.resources import count_local_accelerators
+def test_accelerator_count_honours_cuda_visible_devices(visible, count):
+    from ds_launch.resources import local_accelerators
 
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
-    assert count_local_accelerators() == count
+    assert len(local_accelerators({"CUDA_VISIBLE_DEVICES": visible})) == count
 
 
 def test_gpu_nodes_get_their_slots_as_cuda_visible_devices():
     from ds_launch.spec import NodeSpec, Program
 
     spec = NodeSpec({"a": [0, 1, 2, 3], "b": [1, 3]}, 1, "a", 29500, Program("train.py"))
-    plans = spec.plan(accelerators=4)
+    plans = spec.plan(visible_devices=["0", "1", "2", "3"])
     assert [p.env["CUDA_VISIBLE_DEVICES"] for p in plans] == ["1,3", "1,3"]
     assert [(p.rank, p.local_rank) for p in plans] == [(4, 0), (5, 1)]
-    assert all("CUDA_VISIBLE_DEVICES" not in p.env for p in spec.plan(accelerators=0))
+    assert all("CUDA_VISIBLE_DEVICES" not in p.env for p in spec.plan(visible_devices=[]))
+    # an inherited CUDA_VISIBLE_DEVICES=4,5,6,7 (or UUIDs): slot i is its i-th entry
+    plans = spec.plan(visible_devices=["4", "5", "6", "GPU-abc"])
+    assert plans[0].env["CUDA_VISIBLE_DEVICES"] == "5,GPU-abc"
+    with pytest.raises(LaunchError, match=r"host b has slots \[3\] but only 2 visible GPU"):
+        spec.plan(visible_devices=["4", "5"])

@@ -7,8 +7,10 @@ import getpass
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
+import sys
 import textwrap
 import time
 
@@ -43,6 +45,14 @@ FAIL_ON_NODE_B = textwrap.dedent("""
     with open(fifo) as f:
         f.read()
     sys.exit(5)
+""")
+
+
+BLOCK_AFTER_READY = textwrap.dedent("""
+    import os, signal
+    print(f"ready {os.environ['RANK']}", flush=True)
+    while True:
+        signal.pause()
 """)
 
 
@@ -125,12 +135,21 @@ def _workdir(tmp_path, program: str):
     return work, dumps
 
 
-def test_two_nodes_over_ssh_all_reduce(tmp_path, ssh_config, run_launcher):
+def _launcher_options(launcher: str, ssh_config) -> tuple[list[str], dict[str, str]]:
+    if launcher == "ssh":
+        return ["--launcher", "ssh", "--launcher_args", f"-F {ssh_config}"], {}
+    if not shutil.which("pdsh"):
+        pytest.skip("pdsh is not installed (the nox sessions install it with apt-get as root)")
+    return ["--launcher", "pdsh"], {"PDSH_RCMD_TYPE": "ssh", "PDSH_SSH_ARGS_APPEND": f"-F {ssh_config}"}
+
+
+@pytest.mark.parametrize("launcher", ["ssh", "pdsh"])
+def test_two_nodes_all_reduce(tmp_path, ssh_config, run_launcher, new_port, launcher):
     work, dumps = _workdir(tmp_path, RANK_PROGRAM)
-    master_port = str(_free_port())
-    result = run_launcher("--hostfile", "hostfile", "--launcher", "ssh", "--launcher_args", f"-F {ssh_config}",
-                          "--master_addr", "127.0.0.1", "--master_port", master_port, "program.py", "--tag", "x y",
-                          cwd=work, env={"NCCL_FORWARDED": "through ssh"}, timeout=180)
+    options, env = _launcher_options(launcher, ssh_config)
+    result = run_launcher("--hostfile", "hostfile", *options, "--master_addr", "127.0.0.1",
+                          "--master_port", str(new_port()), "program.py", "--tag", "x y",
+                          cwd=work, env={"NCCL_FORWARDED": "through ssh", **env}, timeout=180)
     assert result.returncode == 0, result.stdout + result.stderr
     for rank in range(2):
         record = json.loads((dumps / f"rank{rank}.json").read_text())
@@ -140,20 +159,43 @@ def test_two_nodes_over_ssh_all_reduce(tmp_path, ssh_config, run_launcher):
                                  "CROSS_SIZE": "2", "FROM_ENV_FILE": "yes it is", "NCCL_FORWARDED": "through ssh"}
 
 
-def test_a_failing_node_stops_the_other_node_over_ssh(tmp_path, ssh_config, run_launcher, marker, alive):
+@pytest.mark.parametrize("launcher", ["ssh", "pdsh"])
+def test_a_failing_node_stops_the_other_node(tmp_path, ssh_config, run_launcher, marker, alive, new_port, launcher):
     work, _ = _workdir(tmp_path, FAIL_ON_NODE_B)
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
-    result = run_launcher("--hostfile", "hostfile", "--launcher_args", f"-F {ssh_config}", "--master_addr",
-                          "127.0.0.1", "--master_port", str(_free_port()), "--kill_grace", "2", "program.py",
-                          str(fifo), marker, cwd=work, timeout=120)
+    options, env = _launcher_options(launcher, ssh_config)
+    result = run_launcher("--hostfile", "hostfile", *options, "--master_addr", "127.0.0.1",
+                          "--master_port", str(new_port()), "--kill_grace", "2", "program.py",
+                          str(fifo), marker, cwd=work, env=env, timeout=120)
     assert result.returncode == 5, result.stderr
     assert "rank 1 (local rank 0 on node 1, node-b) exited with code 5" in result.stderr
-    assert "node 1 (node-b) exited with code 5" in result.stderr
+    _assert_gone(alive, marker, launcher)
+
+
+@pytest.mark.parametrize("launcher", ["ssh", "pdsh"])
+def test_ctrl_c_stops_every_node(tmp_path, ssh_config, marker, alive, new_port, launcher):
+    work, _ = _workdir(tmp_path, BLOCK_AFTER_READY)
+    options, env = _launcher_options(launcher, ssh_config)
+    process = subprocess.Popen([sys.executable, "-m", "ds_launch", "--hostfile", "hostfile", *options,
+                                "--master_addr", "127.0.0.1", "--master_port", str(new_port()), "--kill_grace", "2",
+                                "program.py", marker], cwd=work, env={**os.environ, **env},
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        ready = {process.stdout.readline().split(":")[-1].strip() for _ in range(2)}
+        assert ready == {"ready 0", "ready 1"}
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=60) == 130
+    finally:
+        process.kill()
+        process.communicate()
+    _assert_gone(alive, marker, launcher)
+
+
+def _assert_gone(alive, marker: str, launcher: str) -> None:
+    """With ssh the launcher returns only after every remote agent has stopped its ranks. pdsh
+    exits first and its (detached) ssh clients carry the EOF to the agents, so allow them a moment."""
+    deadline = time.monotonic() + (0 if launcher == "ssh" else 20)
+    while alive(marker) and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert alive(marker) == [], "a rank or its child survived on a node"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -8,20 +8,26 @@ slice and sets OMP_NUM_THREADS to the slice's size.
 from __future__ import annotations
 
 import os
+import re
 
 from .resources import LaunchError
+
+_RANGE = re.compile(r"([0-9]+)(?:-([0-9]+))?")
+_MAX_CORE = 65535
 
 
 def parse_core_list(text: str) -> list[int]:
     """``"0-3,8,10-11"`` → ``[0, 1, 2, 3, 8, 10, 11]``."""
     cores: list[int] = []
     for part in text.split(","):
-        first, dash, last = part.strip().partition("-")
-        if not first.isdigit() or (dash and not last.isdigit()):
+        m = _RANGE.fullmatch(part.strip())
+        if not m:
             raise LaunchError(f"--bind_core_list {text!r}: {part!r} is not a core number or a range like 0-3")
-        lo, hi = int(first), int(last) if dash else int(first)
+        lo, hi = int(m[1]), int(m[2] or m[1])
         if hi < lo:
             raise LaunchError(f"--bind_core_list {text!r}: range {part!r} runs backwards")
+        if hi > _MAX_CORE:
+            raise LaunchError(f"--bind_core_list {text!r}: core {hi} is beyond {_MAX_CORE}")
         cores.extend(range(lo, hi + 1))
     if len(set(cores)) != len(cores):
         raise LaunchError(f"--bind_core_list {text!r} names a core twice")
@@ -36,7 +42,7 @@ def split_cores(num_ranks: int, core_list: str | None, available: list[int] | No
     """Contiguous, near-equal slices of the cores, one per local rank (the first ranks get the rest)."""
     available = available_cores() if available is None else available
     cores = available
-    if core_list:
+    if core_list is not None:
         cores = parse_core_list(core_list)
         missing = sorted(set(cores) - set(available))
         if missing:

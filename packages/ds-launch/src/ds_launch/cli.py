@@ -17,18 +17,20 @@ import sys
 import tempfile
 
 from . import __version__
+from .affinity import format_cores
 from .resources import (
     DEFAULT_HOSTFILE,
+    MAX_SLOTS,
     LaunchError,
     check_hostname,
     check_port_free,
-    count_local_accelerators,
     is_local_address,
+    local_accelerators,
     parse_hostfile,
     select_resources,
 )
-from .runners import LAUNCHERS, LaunchCommand, build_commands
-from .spec import DEFAULT_MASTER_PORT, NodeSpec, add_program_arguments, program_from_args
+from .runners import LAUNCHERS, LaunchCommand, build_commands, forwarded_env
+from .spec import DEFAULT_MASTER_PORT, NodeSpec, Program
 
 
 class _Parser(argparse.ArgumentParser):
@@ -42,8 +44,8 @@ def _count(name: str):
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
-        if value < 1:
-            raise argparse.ArgumentTypeError(f"{name} must be a positive integer, got {value}")
+        if not 1 <= value <= MAX_SLOTS:
+            raise argparse.ArgumentTypeError(f"{name} must be an integer from 1 to {MAX_SLOTS}, got {value}")
         return value
     return parse
 
@@ -65,8 +67,8 @@ def _seconds(text: str) -> float:
         value = float(text)
     except ValueError:
         value = -1.0
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be a non-negative number of seconds, got {text!r}")
+    if not 0 <= value < 3600:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds from 0 to 3600, got {text!r}")
     return value
 
 
@@ -113,19 +115,32 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds between SIGTERM and SIGKILL when stopping ranks (default 5)")
     b.add_argument("--dry_run", action="store_true",
                    help="print every node's command and environment, start nothing")
-    add_program_arguments(p)
+    g = p.add_argument_group("program")
+    g.add_argument("-m", "--module", action="store_true",
+                   help="run the program as a Python module (python -m), not a script")
+    g.add_argument("--no_python", action="store_true",
+                   help="run the program directly as an executable, without the Python interpreter")
+    g.add_argument("--no_local_rank", action="store_true",
+                   help="do not pass --local_rank=N to the program (the LOCAL_RANK variable is always set)")
+    p.add_argument("user_script", help="the script, module or executable to run on every rank")
+    p.add_argument("user_args", nargs=argparse.REMAINDER, help="arguments passed on to the program")
     return p
+
+
+def _program(args) -> Program:
+    if args.module and args.no_python:
+        raise LaunchError("--module and --no_python cannot be used together")
+    mode = "module" if args.module else "exec" if args.no_python else "script"
+    program = Program(args.user_script, tuple(args.user_args), mode, not args.no_local_rank)
+    if mode == "script" and not os.path.isfile(program.target):
+        raise LaunchError(f"user script {program.target!r} not found (working directory {os.getcwd()})")
+    if mode == "exec" and shutil.which(program.target) is None:
+        raise LaunchError(f"executable {program.target!r} not found on PATH or not executable")
+    return program
 
 
 def _warn(message: str) -> None:
     print(f"ds-launch: warning: {message}", file=sys.stderr)
-
-
-def _check_program(program) -> None:
-    if program.mode == "script" and not os.path.isfile(program.target):
-        raise LaunchError(f"user script {program.target!r} not found (working directory {os.getcwd()})")
-    if program.mode == "exec" and shutil.which(program.target) is None:
-        raise LaunchError(f"executable {program.target!r} not found on PATH or not executable")
 
 
 def _resources(args):
@@ -135,7 +150,7 @@ def _resources(args):
     if hostfile is not None:
         available = parse_hostfile(hostfile)
     else:
-        gpus = count_local_accelerators()
+        gpus = len(local_accelerators())
         available = {"localhost": list(range(gpus or args.num_procs or 1))}
     return select_resources(available, args.include, args.exclude, args.num_nodes, args.num_procs)
 
@@ -143,9 +158,8 @@ def _resources(args):
 def make_plan(argv: list[str]):
     """Parse and check the command line: (args, spec, multi-node launcher or None)."""
     args = build_parser().parse_args(argv)
-    program = program_from_args(args)
-    _check_program(program)
-    if args.bind_core_list and not args.bind_cores_to_rank:
+    program = _program(args)
+    if args.bind_core_list is not None and not args.bind_cores_to_rank:
         raise LaunchError("--bind_core_list needs --bind_cores_to_rank")
     if args.node_rank is not None and (args.launcher or args.force_multi):
         raise LaunchError("--node_rank starts one node's ranks here; it cannot be combined with --launcher/--force_multi")
@@ -164,7 +178,7 @@ def make_plan(argv: list[str]):
         master = next(iter(world))
     else:
         master = "127.0.0.1"
-    check_hostname(master, "--master_addr")
+    check_hostname(master, "--master_addr", allow_ip=True)
     node_rank = args.node_rank or 0
     spec = NodeSpec(world, node_rank, master, args.master_port, program, args.bind_cores_to_rank,
                     args.bind_core_list, args.enable_each_rank_log, args.kill_grace)
@@ -178,19 +192,23 @@ def _print_dry_run(spec: NodeSpec, commands: list[LaunchCommand] | None) -> None
           f"master {spec.master_addr}:{spec.master_port}, {where}")
     for cmd in commands or []:
         print(f"\n[{cmd.label}] local command:")
-        for path, content in cmd.files.items():
-            print(f"  file {path}:\n" + "".join(f"    {line}\n" for line in content.splitlines()), end="")
+        for placeholder, content in cmd.files.items():
+            print(f"  {placeholder} = a temporary file holding:")
+            print("".join(f"    {line}\n" for line in content.splitlines()), end="")
         for name, value in cmd.env.items():
             print(f"  env {name}={shlex.quote(value)}")
         print(f"  {shlex.join(cmd.argv)}")
+    if commands:
+        print(f"\nevery node: working directory {shlex.quote(os.getcwd())}, forwarded environment:")
+        print("  " + " ".join(f"{k}={shlex.quote(v)}" for k, v in forwarded_env().items()))
     nodes = range(len(spec.world)) if commands else [spec.node_rank]
-    local_gpus = count_local_accelerators()
+    devices = local_accelerators()
     for node in nodes:
         node_spec = dataclasses.replace(spec, node_rank=node)
-        host = node_spec.hosts[node]
-        print(f"\n[node {node} ({host})] ranks, as the node agent starts them:")
-        for plan in node_spec.plan(accelerators=local_gpus):
-            cores = f"  (cores {','.join(map(str, plan.cpus))})" if plan.cpus else ""
+        print(f"\n[node {node} ({node_spec.hosts[node]})] ranks, as the node agent starts them"
+              f"{' (GPUs and cores as seen on this machine)' if commands else ''}:")
+        for plan in node_spec.plan(visible_devices=devices):
+            cores = f"  (cores {format_cores(plan.cpus)})" if plan.cpus else ""
             print(f"  rank {plan.rank}, local rank {plan.local_rank}{cores}:")
             print("    env " + " ".join(f"{k}={shlex.quote(v)}" for k, v in plan.env.items()))
             print(f"    {shlex.join(plan.argv)}")
@@ -201,22 +219,42 @@ def _run_multi(spec: NodeSpec, commands: list[LaunchCommand]) -> int:
 
     written = []
     try:
-        for cmd in commands:
-            for path, content in cmd.files.items():
-                with open(path, "w", encoding="utf-8") as f:
-                    f.write(content)
-                written.append(path)
         with Supervisor(spec.kill_grace) as supervisor:
             for cmd in commands:
-                try:
-                    supervisor.add(spawn(cmd.label, cmd.argv, {**os.environ, **cmd.env},
-                                         stdin=subprocess.PIPE if cmd.watch_stdin else None))
-                except OSError as e:
-                    raise LaunchError(f"{e.strerror}; is {cmd.argv[0]} installed?") from None
+                argv = list(cmd.argv)
+                for placeholder, content in cmd.files.items():
+                    fd, path = tempfile.mkstemp(prefix="ds-launch-", text=True)  # private, never a symlink
+                    written.append(path)
+                    with os.fdopen(fd, "w", encoding="utf-8") as f:
+                        f.write(content)
+                    argv = [path if a == placeholder else a for a in argv]
+                # stdin is a pipe we never write: a remote agent stops when it closes
+                supervisor.add(spawn(cmd.label, argv, {**os.environ, **cmd.env}, stdin=subprocess.PIPE,
+                                     stop_with_eof=cmd.stop_with_eof, failure_line=cmd.failure_line))
             return supervisor.watch()
     finally:
         for path in written:
-            os.unlink(path)
+            _remove(path)
+
+
+def _remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _write_pid_file(path: str) -> str:
+    """``path`` or, when empty, a fresh file in the temporary directory; never follows a symlink."""
+    if not path:
+        path = os.path.join(tempfile.gettempdir(), f"ds-launch-{os.getpid()}.pid")
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(f"{os.getpid()}\n")
+    except OSError as e:
+        raise LaunchError(f"--save_pid {path}: cannot write the pid file: {e.strerror}") from None
+    return path
 
 
 def run(argv: list[str]) -> int:
@@ -229,14 +267,7 @@ def run(argv: list[str]) -> int:
         return 0
     if spec.node_rank == 0 and is_local_address(spec.master_addr):
         check_port_free(spec.master_addr, spec.master_port)
-    pid_file = None
-    if args.save_pid is not None:
-        pid_file = args.save_pid or os.path.join(tempfile.gettempdir(), f"ds-launch-{os.getpid()}.pid")
-        try:
-            with open(pid_file, "w", encoding="utf-8") as f:
-                f.write(f"{os.getpid()}\n")
-        except OSError as e:
-            raise LaunchError(f"--save_pid {pid_file}: cannot write the pid file: {e.strerror}") from None
+    pid_file = _write_pid_file(args.save_pid) if args.save_pid is not None else None
     try:
         if commands:
             return _run_multi(spec, commands)
@@ -245,7 +276,7 @@ def run(argv: list[str]) -> int:
         return run_node(spec)
     finally:
         if pid_file:
-            os.unlink(pid_file)
+            _remove(pid_file)
 
 
 def main(argv: list[str] | None = None) -> int:

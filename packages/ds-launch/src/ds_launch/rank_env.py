@@ -1,30 +1,31 @@
 """Per-rank shim for launchers that start every rank themselves (Open MPI, MPICH, SLURM).
 
-``python -m ds_launch.rank_env --world_info ... --master_addr A --master_port P -- program args``
-reads the rank from the launcher's variables, sets the same variables a ds-launch rank gets
-(RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, CROSS_RANK, ...)
-and replaces itself with the program, so user code sees one environment under every launcher.
+``python -u -m ds_launch.rank_env --spec <base64>`` reads its rank from the launcher's variables,
+enters the launch's working directory, sets the forwarded environment and the variables a
+ds-launch rank gets (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT,
+CROSS_RANK, ...), then replaces itself with the program: one environment under every launcher.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
 from .resources import LaunchError
-from .spec import NodeSpec, add_program_arguments, decode_world, program_from_args
+from .spec import NodeSpec, RankPlan
 
-# (rank, world size, local rank) variables of each launcher family, in the order they are tried.
-SOURCES = {
-    "openmpi": ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
-    "mpich": ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"),
-    "slurm": ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"),
-}
+# (rank, world size, local rank) variables of each launcher family: Open MPI, MPICH/Hydra, SLURM.
+SOURCES = (
+    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
+    ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"),
+    ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"),
+)
 
 
 def rank_from_environment(environ: dict[str, str]) -> tuple[int, int, int | None]:
-    for rank_var, size_var, local_var in SOURCES.values():
+    for rank_var, size_var, local_var in SOURCES:
         if rank_var in environ and size_var in environ:
             local = environ.get(local_var)
             try:
@@ -32,42 +33,38 @@ def rank_from_environment(environ: dict[str, str]) -> tuple[int, int, int | None
             except ValueError:
                 raise LaunchError(f"{rank_var}/{size_var}/{local_var} are not integers: "
                                   f"{environ[rank_var]!r}, {environ[size_var]!r}, {local!r}") from None
-    names = ", ".join(f"{r}+{s}" for r, s, _ in SOURCES.values())
+    names = ", ".join(f"{r}+{s}" for r, s, _ in SOURCES)
     raise LaunchError(f"no launcher told this process its rank: looked for {names}")
 
 
-def resolve(spec_world, master_addr: str, master_port: int, program, environ: dict[str, str]):
+def resolve(spec: NodeSpec, environ: dict[str, str]) -> RankPlan:
     """The plan of the rank this process is, checked against the launcher's own numbering."""
     rank, size, local = rank_from_environment(environ)
-    probe = NodeSpec(spec_world, 0, master_addr, master_port, program)
-    if size != probe.world_size:
-        raise LaunchError(f"the launcher started {size} processes, but the world has {probe.world_size}")
-    for node_rank in range(len(spec_world)):
-        first = probe.first_rank(node_rank)
-        if first <= rank < first + len(list(spec_world.values())[node_rank]):
-            plan = NodeSpec(spec_world, node_rank, master_addr, master_port, program).plan()[rank - first]
-            if local is not None and local != plan.local_rank:
-                raise LaunchError(
-                    f"rank {rank} is local rank {local} to the launcher but {plan.local_rank} in the world layout; "
-                    "the launcher must place ranks host by host (Open MPI: --map-by slot)")
-            return plan
-    raise LaunchError(f"rank {rank} is outside the world of {probe.world_size} ranks")
+    if size != spec.world_size:
+        raise LaunchError(f"the launcher started {size} processes, but the world has {spec.world_size}")
+    node = spec.node_of_rank(rank)
+    node_spec = dataclasses.replace(spec, node_rank=node)
+    plan = node_spec.plan()[rank - spec.first_rank(node)]
+    if local is not None and local != plan.local_rank:
+        raise LaunchError(
+            f"rank {rank} is local rank {local} to the launcher but {plan.local_rank} in the world layout; "
+            "the launcher must place ranks host by host (Open MPI: --map-by slot)")
+    return plan
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ds_launch.rank_env")
-    parser.add_argument("--world_info", required=True)
-    parser.add_argument("--master_addr", required=True)
-    parser.add_argument("--master_port", type=int, required=True)
-    add_program_arguments(parser)
+    parser.add_argument("--spec", required=True, help="the launch, as encoded by ds-launch")
     args = parser.parse_args(argv)
     try:
-        plan = resolve(decode_world(args.world_info), args.master_addr, args.master_port,
-                       program_from_args(args), dict(os.environ))
-    except LaunchError as e:
+        spec = NodeSpec.decode(args.spec)
+        plan = resolve(spec, dict(os.environ))
+        if spec.cwd:
+            os.chdir(spec.cwd)
+    except (LaunchError, OSError) as e:
         print(f"ds-launch rank shim: error: {e}", file=sys.stderr)
         return 2
-    os.environ.update(plan.env)
+    os.environ.update({**spec.env, **plan.env})
     try:
         os.execvp(plan.argv[0], plan.argv)
     except OSError as e:

@@ -16,6 +16,8 @@ DEFAULT_HOSTFILE = "/job/hostfile"
 # Names that are safe on a command line: letters, digits, '.', '_', '-', never a leading '-'
 # (which ssh or pdsh would take for an option).
 _HOSTNAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*\Z")
+_DIGITS = re.compile(r"[0-9]+\Z")  # str.isdigit() also takes '²', which int() refuses
+MAX_SLOTS = 4096  # processes per host; a typo such as slots=10000000000 must not exhaust memory
 _HOSTFILE_LINE = re.compile(r"(?P<host>\S+)\s+slots\s*=\s*(?P<slots>\S+)\Z")
 
 
@@ -26,7 +28,13 @@ class LaunchError(Exception):
 Resources = dict[str, list[int]]
 
 
-def check_hostname(name: str, where: str) -> str:
+def check_hostname(name: str, where: str, allow_ip: bool = False) -> str:
+    if allow_ip:
+        try:
+            ipaddress.ip_address(name)
+            return name
+        except ValueError:
+            pass
     if not _HOSTNAME.match(name):
         raise LaunchError(
             f"{where}: invalid hostname {name!r}; a hostname may hold only letters, digits, "
@@ -35,17 +43,20 @@ def check_hostname(name: str, where: str) -> str:
     return name
 
 
-def parse_hostfile(path: str) -> Resources:
-    """Read a DeepSpeed hostfile: ``hostname slots=N`` per line; ``#`` comments and blank lines ok."""
+def read_lines(path: str, what: str) -> list[str]:
     try:
         with open(path, encoding="utf-8") as f:
-            lines = f.read().splitlines()
+            return f.read().splitlines()
     except OSError as e:
-        raise LaunchError(f"cannot read hostfile {path}: {e.strerror or e}") from None
-    except UnicodeDecodeError:
-        raise LaunchError(f"cannot read hostfile {path}: not a text file") from None
+        raise LaunchError(f"cannot read {what} {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise LaunchError(f"cannot read {what} {path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+
+
+def parse_hostfile(path: str) -> Resources:
+    """Read a DeepSpeed hostfile: ``hostname slots=N`` per line; ``#`` comments and blank lines ok."""
     resources: Resources = {}
-    for number, raw in enumerate(lines, start=1):
+    for number, raw in enumerate(read_lines(path, "hostfile"), start=1):
         line = raw.split("#", 1)[0].strip()
         if not line:
             continue
@@ -54,8 +65,8 @@ def parse_hostfile(path: str) -> Resources:
         if not m:
             raise LaunchError(f"{where}: expected 'hostname slots=N', got {raw.strip()!r}")
         host = check_hostname(m["host"], where)
-        if not m["slots"].isdigit() or int(m["slots"]) < 1:
-            raise LaunchError(f"{where}: slots must be a positive integer, got {m['slots']!r}")
+        if not _DIGITS.match(m["slots"]) or not 1 <= int(m["slots"]) <= MAX_SLOTS:
+            raise LaunchError(f"{where}: slots must be an integer from 1 to {MAX_SLOTS}, got {m['slots']!r}")
         if host in resources:
             raise LaunchError(f"{where}: host {host!r} is listed twice")
         resources[host] = list(range(int(m["slots"])))
@@ -79,7 +90,7 @@ def _parse_filter(spec: str, option: str, available: Resources) -> dict[str, lis
             continue
         slots: list[int] = []
         for token in slot_text.split(","):
-            if not token.isdigit():
+            if not _DIGITS.match(token):
                 raise LaunchError(f"{option} {spec!r}: slot {token!r} of host {host!r} is not a non-negative integer")
             slot = int(token)
             if slot not in available[host]:
@@ -139,17 +150,20 @@ def select_resources(
     return active
 
 
-def count_local_accelerators() -> int:
-    """NVIDIA GPUs visible to this process, found without importing torch (0 on a CPU machine)."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+def local_accelerators(environ: dict[str, str] | None = None) -> list[str]:
+    """Ids of the NVIDIA GPUs this process may use, found without importing torch: the entries of
+    CUDA_VISIBLE_DEVICES when it is set (indices or UUIDs), else 0..n-1 for the /dev/nvidiaN
+    devices; empty on a machine without GPUs. Slot i of a host maps to the i-th id."""
+    environ = os.environ if environ is None else environ
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None:
         entries = [e.strip() for e in visible.split(",") if e.strip()]
-        return 0 if not entries or entries[0] in ("-1", "NoDevFiles") else len(entries)
+        return [] if not entries or entries[0] in ("-1", "NoDevFiles") else entries
     try:
         names = os.listdir("/dev")
     except OSError:
-        return 0
-    return sum(1 for n in names if re.fullmatch(r"nvidia\d+", n))
+        return []
+    return [str(i) for i in range(sum(1 for n in names if re.fullmatch(r"nvidia\d+", n)))]
 
 
 def is_local_address(name: str) -> bool:

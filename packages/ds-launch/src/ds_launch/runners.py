@@ -3,27 +3,29 @@
 ``ssh`` and ``pdsh`` start a node agent (``python -m ds_launch.node``) on every node through a
 remote shell; ``openmpi``, ``mpich`` and ``slurm`` start every rank themselves, and each rank
 passes through ``python -m ds_launch.rank_env``, which turns the MPI/SLURM variables into the
-ones a ds-launch rank sees. Every string handed to a remote shell is built with `shlex.quote`,
-so no hostname, argument or environment value can inject shell code.
+ones a ds-launch rank sees. Either way the launch (working directory, forwarded environment,
+program and arguments) travels as one base64 argument: a remote command line holds only
+letters, digits and ``_./=%+-``, so no remote shell of any kind can read user data as code.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import shlex
 import sys
-import tempfile
 from dataclasses import dataclass, field
 
-from .resources import LaunchError
-from .spec import NodeSpec, encode_world
+from .resources import LaunchError, read_lines
+from .spec import NodeSpec
 
 LAUNCHERS = ("ssh", "pdsh", "openmpi", "mpich", "slurm")
 # Variables forwarded to remote nodes, as DeepSpeed does (DS_ for our own settings, e.g. DS_OPS_CACHE).
 EXPORT_PREFIXES = ("NCCL_", "PYTHON", "MV2_", "UCX_", "DS_")
 EXPORT_NAMES = ("PATH",)
 ENV_FILE_NAME = ".deepspeed_env"
+HOSTFILE_PLACEHOLDER = "{hostfile}"
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 
 
@@ -34,19 +36,17 @@ class LaunchCommand:
     label: str
     argv: list[str]
     env: dict[str, str] = field(default_factory=dict)  # added to this process's environment
-    files: dict[str, str] = field(default_factory=dict)  # path -> content, written before start
-    watch_stdin: bool = False  # keep a pipe on its stdin: closing it stops the remote node
+    # Temporary files the command needs: placeholder in argv -> content. The launcher writes each
+    # to a fresh private temporary file, puts its path in place of the placeholder, removes it after.
+    files: dict[str, str] = field(default_factory=dict)
+    stop_with_eof: bool = False  # an ssh client: closing its stdin stops the remote node agent
+    failure_line: str | None = None  # a stderr line (regex, group "code") that reports a failed node
 
 
 def read_env_file(path: str) -> dict[str, str]:
     """``NAME=value`` lines (blank lines and ``#`` comments allowed); the value is the rest of the line."""
     env: dict[str, str] = {}
-    try:
-        with open(path, encoding="utf-8") as f:
-            lines = f.read().splitlines()
-    except OSError as e:
-        raise LaunchError(f"cannot read environment file {path}: {e.strerror or e}") from None
-    for number, line in enumerate(lines, start=1):
+    for number, line in enumerate(read_lines(path, "environment file"), start=1):
         if not line.strip() or line.lstrip().startswith("#"):
             continue
         name, sep, value = line.partition("=")
@@ -73,16 +73,16 @@ def forwarded_env(environ: dict[str, str] | None = None, cwd: str | None = None,
     return env
 
 
-def remote_shell_command(argv: list[str], env: dict[str, str], cwd: str) -> str:
-    """One POSIX-shell line: enter ``cwd``, export ``env``, exec ``argv``; every piece quoted."""
-    for name in env:
-        if not _ENV_NAME.match(name):
-            raise LaunchError(f"cannot forward environment variable {name!r}: not a valid shell name")
-    parts = [f"cd {shlex.quote(cwd)}"]
-    if env:
-        parts.append("export " + " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()))
-    parts.append("exec " + shlex.join(argv))
-    return " && ".join(parts)
+_SHELL_NEUTRAL = re.compile(r"[A-Za-z0-9_./=%+-]+\Z")
+
+
+def remote_command(argv: list[str]) -> str:
+    """The command line for a remote shell; refuses anything a shell could read as more than text."""
+    for word in argv:
+        if not _SHELL_NEUTRAL.match(word):
+            raise LaunchError(f"cannot start {word!r} on a remote node: a remote command may hold only letters, "
+                              "digits and _./=%+- (is the Python interpreter's path unusual?)")
+    return " ".join(argv)
 
 
 def _uniform_slots(spec: NodeSpec, launcher: str) -> int:
@@ -102,55 +102,49 @@ def _whole_hosts(spec: NodeSpec, launcher: str) -> None:
             )
 
 
-def shim_argv(spec: NodeSpec) -> list[str]:
-    """Each MPI/SLURM rank runs this; it sets RANK/LOCAL_RANK/... and execs the program."""
-    return [sys.executable, "-u", "-m", "ds_launch.rank_env", "--world_info", encode_world(spec.world),
-            "--master_addr", spec.master_addr, "--master_port", str(spec.master_port),
-            *spec.program.flags()]
-
-
 def build_commands(launcher: str, spec: NodeSpec, launcher_args: str = "", ssh_port: int | None = None,
                    environ: dict[str, str] | None = None, cwd: str | None = None) -> list[LaunchCommand]:
     """The local processes that start ``spec``'s world with ``launcher``."""
+    try:
+        extra = shlex.split(launcher_args)
+    except ValueError as e:
+        raise LaunchError(f"--launcher_args {launcher_args!r}: {e}") from None
     cwd = os.path.abspath(cwd or os.getcwd())
-    extra = shlex.split(launcher_args)
-    env = forwarded_env(environ, cwd)
+    spec = dataclasses.replace(spec, cwd=cwd, env=forwarded_env(environ, cwd))
+    payload = spec.encode()
     hosts = spec.hosts
+
+    def agent(node_rank: str) -> str:
+        return remote_command([sys.executable, "-u", "-m", "ds_launch.node", "--spec", payload,
+                               "--node_rank", node_rank, "--watch_stdin"])
+
     if launcher == "ssh":
         port = ["-p", str(ssh_port)] if ssh_port else []
-        return [
-            LaunchCommand(
-                f"node {i} ({host})",
-                ["ssh", "-o", "BatchMode=yes", *port, *extra, "--", host,
-                 remote_shell_command(spec.node_argv(i, watch_stdin=True), env, cwd)],
-                watch_stdin=True,
-            )
-            for i, host in enumerate(hosts)
-        ]
+        return [LaunchCommand(f"node {i} ({host})", ["ssh", "-o", "BatchMode=yes", *port, *extra, "--", host,
+                                                     agent(str(i))], stop_with_eof=True)
+                for i, host in enumerate(hosts)]
     if launcher == "pdsh":
-        # pdsh replaces %n with each host's position in the -w list: the node rank.
-        pdsh_env = {} if "PDSH_RCMD_TYPE" in (environ or os.environ) else {"PDSH_RCMD_TYPE": "ssh"}
-        return [LaunchCommand("pdsh", ["pdsh", "-S", "-f", "1024", "-w", ",".join(hosts), *extra,
-                                       remote_shell_command(spec.node_argv("%n"), env, cwd)], pdsh_env)]
+        # pdsh replaces %n with each host's position in the -w list: the node rank. It keeps each
+        # remote command's stdin open while it lives, so the agents stop when pdsh is stopped. It
+        # waits for every node before it exits, so its report of a failed node is watched for.
+        pdsh_env = {} if "PDSH_RCMD_TYPE" in (os.environ if environ is None else environ) else {"PDSH_RCMD_TYPE": "ssh"}
+        return [LaunchCommand("pdsh", ["pdsh", "-S", "-b", "-f", "1024", "-w", ",".join(hosts), *extra, agent("%n")],
+                              pdsh_env, failure_line=r"^pdsh@\S+: \S+: \S+ exited with exit code (?P<code>\d+)")]
     if spec.bind_cores_to_rank or spec.log_dir:
         raise LaunchError(f"--bind_cores_to_rank and --enable_each_rank_log need the ssh or pdsh launcher, not {launcher}")
+    shim = [sys.executable, "-u", "-m", "ds_launch.rank_env", "--spec", payload]
     total = str(spec.world_size)
     if launcher == "openmpi":
         _whole_hosts(spec, launcher)
-        hostfile = os.path.join(tempfile.gettempdir(), f"ds-launch-hostfile-{os.getpid()}")
         content = "".join(f"{h} slots={len(s)}\n" for h, s in spec.world.items())
-        exports = [a for name in env for a in ("-x", name)]
-        return [LaunchCommand("mpirun (openmpi)", ["mpirun", "-n", total, "-hostfile", hostfile, "--map-by", "slot",
-                                                   *exports, *extra, *shim_argv(spec)], env, {hostfile: content})]
+        return [LaunchCommand("mpirun (openmpi)", ["mpirun", "-n", total, "-hostfile", HOSTFILE_PLACEHOLDER,
+                                                   "--map-by", "slot", *extra, *shim], files={HOSTFILE_PLACEHOLDER: content})]
+    per_node = _uniform_slots(spec, launcher)
+    _whole_hosts(spec, launcher)
     if launcher == "mpich":
-        per_node = _uniform_slots(spec, launcher)
-        _whole_hosts(spec, launcher)
-        exports = [a for name, value in env.items() for a in ("-genv", name, value)]
         return [LaunchCommand("mpirun (mpich)", ["mpirun", "-n", total, "-ppn", str(per_node), "-hosts", ",".join(hosts),
-                                                 *exports, *extra, *shim_argv(spec)])]
+                                                 *extra, *shim])]
     if launcher == "slurm":
-        per_node = _uniform_slots(spec, launcher)
-        _whole_hosts(spec, launcher)
-        return [LaunchCommand("srun", ["srun", "-n", total, "--nodes", str(len(hosts)), "--ntasks-per-node", str(per_node),
-                                       "--nodelist", ",".join(hosts), "--export", "ALL", *extra, *shim_argv(spec)], env)]
+        return [LaunchCommand("srun", ["srun", "-n", total, "--nodes", str(len(hosts)), "--ntasks-per-node",
+                                       str(per_node), "--nodelist", ",".join(hosts), *extra, *shim])]
     raise LaunchError(f"--launcher must be one of {', '.join(LAUNCHERS)}, got {launcher!r}")

@@ -2,13 +2,17 @@
 
 Everything here is pure (no process is started), so the dry run, the local node agent, the remote
 node agents and the MPI shim all compute a rank's command and environment the same way.
+
+A `NodeSpec` travels to other machines as one URL-safe base64 JSON argument (``--spec``): the
+working directory, forwarded environment, program and arguments never pass through a remote
+shell as text, so no shell (bash, zsh, fish, csh) can read any of it as code.
 """
 
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
-import os
 import sys
 from dataclasses import dataclass, field
 
@@ -35,47 +39,6 @@ class Program:
         else:
             head = [sys.executable, "-u", self.target]
         return [*head, *extra, *self.args]
-
-    def flags(self) -> list[str]:
-        """The options that recreate this program in another process (see `add_program_arguments`)."""
-        out = {"module": ["--module"], "exec": ["--no_python"]}.get(self.mode, [])
-        if not self.local_rank_arg:
-            out.append("--no_local_rank")
-        return [*out, "--", self.target, *self.args]
-
-
-def add_program_arguments(parser) -> None:
-    parser.add_argument("-m", "--module", action="store_true",
-                        help="run the program as a Python module (python -m), not a script")
-    parser.add_argument("--no_python", action="store_true",
-                        help="run the program directly as an executable, without the Python interpreter")
-    parser.add_argument("--no_local_rank", action="store_true",
-                        help="do not pass --local_rank=N to the program (the LOCAL_RANK variable is always set)")
-    parser.add_argument("user_script", help="the script, module or executable to run on every rank")
-    parser.add_argument("user_args", nargs="...", help="arguments passed on to the program")
-
-
-def program_from_args(args) -> Program:
-    if args.module and args.no_python:
-        raise LaunchError("--module and --no_python cannot be used together")
-    mode = "module" if args.module else "exec" if args.no_python else "script"
-    args_list = list(args.user_args)
-    if args_list[:1] == ["--"]:
-        args_list = args_list[1:]
-    return Program(args.user_script, tuple(args_list), mode, not args.no_local_rank)
-
-
-def encode_world(world: Resources) -> str:
-    payload = json.dumps([[host, slots] for host, slots in world.items()], separators=(",", ":"))
-    return base64.urlsafe_b64encode(payload.encode()).decode()
-
-
-def decode_world(text: str) -> Resources:
-    try:
-        items = json.loads(base64.urlsafe_b64decode(text.encode()))
-        return {str(host): [int(s) for s in slots] for host, slots in items}
-    except (ValueError, TypeError) as e:
-        raise LaunchError(f"--world_info {text!r} is not a world description made by ds-launch ({e})") from None
 
 
 @dataclass(frozen=True)
@@ -106,7 +69,8 @@ class NodeSpec:
     bind_core_list: str | None = None
     log_dir: str | None = None
     kill_grace: float = 5.0
-    extra_env: dict[str, str] = field(default_factory=dict)
+    cwd: str | None = None  # a remote node enters it first
+    env: dict[str, str] = field(default_factory=dict)  # a remote node adds it to its environment
 
     @property
     def hosts(self) -> list[str]:
@@ -119,8 +83,15 @@ class NodeSpec:
     def first_rank(self, node_rank: int) -> int:
         return sum(len(s) for s in list(self.world.values())[:node_rank])
 
-    def plan(self, accelerators: int | None = None, available_cpus: list[int] | None = None) -> list[RankPlan]:
-        """The command and environment of each local rank of this node."""
+    def node_of_rank(self, rank: int) -> int:
+        for node_rank in range(len(self.world)):
+            if rank < self.first_rank(node_rank + 1):
+                return node_rank
+        raise LaunchError(f"rank {rank} is outside the world of {self.world_size} ranks")
+
+    def plan(self, visible_devices: list[str] | None = None, available_cpus: list[int] | None = None) -> list[RankPlan]:
+        """The command and environment of each local rank of this node. ``visible_devices``: the
+        node's GPU ids (its CUDA_VISIBLE_DEVICES entries, or 0..n-1); empty or None on a CPU node."""
         from .affinity import split_cores
 
         host = self.hosts[self.node_rank]
@@ -138,10 +109,13 @@ class NodeSpec:
             "GROUP_WORLD_SIZE": str(len(self.world)),
             "ROLE_NAME": "default",
             "ROLE_WORLD_SIZE": str(self.world_size),
-            **self.extra_env,
         }
-        if accelerators:
-            env_common["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, slots))
+        if visible_devices:
+            missing = [s for s in slots if s >= len(visible_devices)]
+            if missing:
+                raise LaunchError(f"host {host} has slots {missing} but only {len(visible_devices)} visible GPU(s) "
+                                  f"({','.join(visible_devices)})")
+            env_common["CUDA_VISIBLE_DEVICES"] = ",".join(visible_devices[s] for s in slots)
         cores: list[tuple[int, ...]] = [()] * len(slots)
         if self.bind_cores_to_rank:
             cores = split_cores(len(slots), self.bind_core_list, available_cpus)
@@ -155,18 +129,24 @@ class NodeSpec:
                                   env, cores[local_rank]))
         return plans
 
-    def node_argv(self, node_rank: int | str, watch_stdin: bool = False) -> list[str]:
-        """The command that starts node ``node_rank``'s agent (``python -m ds_launch.node ...``)."""
-        argv = [sys.executable, "-u", "-m", "ds_launch.node",
-                "--world_info", encode_world(self.world), "--node_rank", str(node_rank),
-                "--master_addr", self.master_addr, "--master_port", str(self.master_port),
-                "--kill_grace", str(self.kill_grace)]
-        if self.bind_cores_to_rank:
-            argv.append("--bind_cores_to_rank")
-        if self.bind_core_list:
-            argv += ["--bind_core_list", self.bind_core_list]
-        if self.log_dir:
-            argv += ["--enable_each_rank_log", os.path.abspath(self.log_dir)]
-        if watch_stdin:
-            argv.append("--watch_stdin")
-        return argv + self.program.flags()
+    def encode(self) -> str:
+        """This spec, less the node rank, as one shell-neutral argument (URL-safe base64 JSON)."""
+        data = dataclasses.asdict(self)
+        del data["node_rank"]
+        data["world"] = [[host, slots] for host, slots in self.world.items()]
+        payload = json.dumps(data, separators=(",", ":")).encode()
+        return base64.urlsafe_b64encode(payload).decode()
+
+    @classmethod
+    def decode(cls, text: str, node_rank: int = 0) -> NodeSpec:
+        try:
+            data = json.loads(base64.urlsafe_b64decode(text.encode()))
+            data["world"] = {str(h): [int(s) for s in slots] for h, slots in data["world"]}
+            program = data.pop("program")
+            program["args"] = tuple(program["args"])
+            spec = cls(node_rank=node_rank, program=Program(**program), **data)
+        except (ValueError, TypeError, KeyError) as e:
+            raise LaunchError(f"--spec is not a launch description made by this ds-launch version ({e})") from None
+        if not 0 <= node_rank < len(spec.world):
+            raise LaunchError(f"--node_rank {node_rank} is outside 0..{len(spec.world) - 1}")
+        return spec
