@@ -58,6 +58,9 @@ def main() -> int:
     gathered = [torch.zeros(1) for _ in range(world)]
     dist.all_gather(gathered, checksum)
     in_sync = all(torch.equal(g, gathered[0]) for g in gathered)
+    # Every rank leaves together: a rank that tears gloo down while a peer is still inside its
+    # last collective can make the peer abort ("terminate called without an active exception").
+    dist.barrier()
     dist.destroy_process_group()
 
     went_down = losses[-1] < 0.5 * losses[0]

@@ -30,6 +30,7 @@ RANK = textwrap.dedent("""
     assert t.item() == dist.get_world_size()
     with open(os.path.join(sys.argv[1], f"done{dist.get_rank()}"), "w") as f:
         f.write(repr(time.time()))
+    dist.barrier()  # leave together: tearing gloo down under a peer can abort it
     dist.destroy_process_group()
 """)
 

@@ -22,6 +22,7 @@ ALL_REDUCE = textwrap.dedent("""
     dist.all_reduce(t)
     with open(os.path.join(os.environ["DUMP_DIR"], f"sum{rank}.json"), "w") as f:
         json.dump({"sum": t.item(), "world": world, "rank": rank}, f)
+    dist.barrier()  # leave together: tearing gloo down under a peer can abort it
     dist.destroy_process_group()
 """)
 

@@ -31,6 +31,7 @@ RANK_PROGRAM = textwrap.dedent("""
     keys = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "CROSS_RANK", "CROSS_SIZE", "FROM_ENV_FILE", "NCCL_FORWARDED"]
     with open(os.path.join(os.environ["DUMP_DIR"], f"rank{dist.get_rank()}.json"), "w") as f:
         json.dump({"sum": t.item(), "argv": sys.argv[1:], "env": {k: os.environ.get(k) for k in keys}}, f)
+    dist.barrier()  # leave together: tearing gloo down under a peer can abort it
     dist.destroy_process_group()
 """)
 
