@@ -141,3 +141,16 @@ def test_a_mode_left_behind_by_the_model_does_not_strand_ours():
     with pytest.raises(RuntimeError, match="leaky"):
         get_model_profile(model, input_shape=(1, 2), print_profile=False, warm_up=0)
     assert torch._C._len_torch_function_stack() == 0
+
+
+def test_a_call_the_formula_cannot_read_is_reported_not_fatal(caplog, monkeypatch):
+    from ds_profiler import _registry
+
+    def broken(out, args, kwargs):
+        raise IndexError("unexpected call form")
+
+    monkeypatch.setitem(_registry.COUNTERS, torch.tanh, broken)
+    with caplog.at_level("WARNING", logger="ds_profiler"):
+        flops, _ = count(nn.Sequential(nn.Linear(4, 4), nn.Tanh()), torch.randn(2, 4))
+    assert flops == 2 * 2 * 4 * 4 + 2 * 4  # the linear still counted, tanh as 0
+    assert "cannot count a call of torch.tanh (IndexError: unexpected call form)" in caplog.text

@@ -14,10 +14,24 @@ does not know is opaque. The table therefore covers the Python-level functions t
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch.overrides import TorchFunctionMode
 
 from ._registry import COUNTERS
+
+logger = logging.getLogger(__name__)
+_warned: set[str] = set()
+
+
+def _warn_once(func, error: Exception) -> None:
+    name = getattr(func, "__qualname__", None) or repr(func)
+    name = name.replace("_VariableFunctionsClass.", "torch.").replace("TensorBase.", "Tensor.")
+    if name not in _warned:
+        _warned.add(name)
+        logger.warning("ds_profiler: cannot count a call of %s (%s: %s); it is counted as 0 flops",
+                       name, type(error).__name__, error)
 
 
 class Frame:
@@ -54,7 +68,11 @@ class CountingMode(TorchFunctionMode):
         if stack:
             frame = stack[-1]
             if frame.counting:
-                flops, macs = counter(out, args, kwargs)
+                try:
+                    flops, macs = counter(out, args, kwargs)
+                except Exception as error:  # a call form the formula does not know: say so, run on
+                    _warn_once(func, error)
+                    return out
                 frame.self_flops += flops
                 frame.self_macs += macs
         return out
