@@ -1,0 +1,48 @@
+// CPU-Lion (Chen et al. 2023): p = p*(1 - lr*wd) - lr*sign(b1*m + (1-b1)*g); m = b2*m + (1-b2)*g.
+#include "dispatch.h"
+#include "optim.h"
+#include "parallel.h"
+
+namespace ds {
+namespace {
+
+template <class B, class G, class S>
+int64_t lion_span(float* p, const G* g, S* m, int64_t i, int64_t end, float lr, float beta1, float beta2,
+                  float weight_decay, uint32_t seed) {
+  using V = typename B::V;
+  const V b1 = B::set1(beta1), b1c = B::set1(1.f - beta1), b2 = B::set1(beta2), b2c = B::set1(1.f - beta2);
+  const V vlr = B::set1(lr), decay = B::set1(1.f - lr * weight_decay);
+  StateNoise<B, S> rounding(i, seed);
+  for (; i + B::W <= end; i += B::W, rounding.advance()) {
+    V param = B::load(p + i);
+    const V grad = B::load(g + i), mm = B::load(m + i);
+    if (weight_decay != 0.f) param = B::mul(param, decay);
+    const V direction = B::sign(B::fmadd(grad, b1c, B::mul(mm, b1)));
+    B::store(p + i, B::fnmadd(direction, vlr, param));
+    store_state<B>(m, i, B::fmadd(grad, b2c, B::mul(mm, b2)), B::low16(rounding.noise()));
+  }
+  return i;
+}
+
+}  // namespace
+
+void lion_update(const Pointers& params, const Pointers& grads, const Pointers& exp_avg, const Sizes& sizes,
+                 int grad_dtype, int state_dtype, float lr, float beta1, float beta2, float weight_decay,
+                 uint32_t seed, int num_threads) {
+  with_dtype(grad_dtype, "gradient", [&](auto gtag) {
+    with_state_dtype(state_dtype, [&](auto stag) {
+      using G = Elem<decltype(gtag)>;
+      using S = Elem<decltype(stag)>;
+      parallel_over(sizes, num_threads, [&](size_t t, int64_t begin, int64_t end) {
+        float* p = as_ptr<float>(params[t]);
+        const G* g = as_ptr<const G>(grads[t]);
+        S* m = as_ptr<S>(exp_avg[t]);
+        const uint32_t seed_t = stream_seed(seed, t);
+        int64_t i = lion_span<Simd>(p, g, m, begin, end, lr, beta1, beta2, weight_decay, seed_t);
+        lion_span<Scalar>(p, g, m, i, end, lr, beta1, beta2, weight_decay, seed_t);
+      });
+    });
+  });
+}
+
+}  // namespace ds

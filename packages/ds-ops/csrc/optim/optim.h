@@ -1,0 +1,47 @@
+// The CPU optimizer kernels of ds-ops. Python owns the tensors and passes raw pointers (as
+// integers), element counts and dtype codes (ds::DType); parameters are always fp32.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace ds {
+
+using Pointers = std::vector<int64_t>;
+using Sizes = std::vector<int64_t>;
+
+struct AdamArgs {
+  float lr, beta1, beta2, eps, weight_decay;
+  float bias_correction1, bias_correction2;  // 1 - beta^step, or 1 without bias correction
+  bool adamw;                                // decoupled weight decay (AdamW) vs L2 (Adam)
+};
+
+// One fused pass per element: read p, g, m, v; write p, m, v (and the 16-bit copy of p when
+// `out_dtype` >= 0). `state_dtype` kBF16 stores m and v as bf16 with stochastic rounding.
+void adam_update(const Pointers& params, const Pointers& grads, const Pointers& exp_avg,
+                 const Pointers& exp_avg_sq, const Pointers& outs, const Sizes& sizes, int grad_dtype,
+                 int state_dtype, int out_dtype, const AdamArgs& args, uint32_t seed, int num_threads);
+
+// torch.optim.Adagrad: sum += g*g; p -= clr * g / (sqrt(sum) + eps); L2 weight decay.
+void adagrad_update(const Pointers& params, const Pointers& grads, const Pointers& sums, const Sizes& sizes,
+                    int grad_dtype, int state_dtype, float clr, float eps, float weight_decay, uint32_t seed,
+                    int num_threads);
+
+// Lion: p = p*(1 - lr*wd) - lr*sign(b1*m + (1-b1)*g); m = b2*m + (1-b2)*g.
+void lion_update(const Pointers& params, const Pointers& grads, const Pointers& exp_avg, const Sizes& sizes,
+                 int grad_dtype, int state_dtype, float lr, float beta1, float beta2, float weight_decay,
+                 uint32_t seed, int num_threads);
+
+struct LambArgs {
+  float lr, beta1, beta2, eps, weight_decay, bias_correction1, bias_correction2, max_coeff, min_coeff;
+  float grad_scale;  // multiplies every gradient (global gradient-norm clipping), 1 for none
+  bool eps_inside_sqrt;
+};
+
+// LAMB, per tensor: m, v as Adam; u = m^/(sqrt(v^)+eps) + wd*p; p -= lr * clamp(|p|/|u|) * u.
+// Returns each tensor's trust ratio.
+std::vector<float> lamb_update(const Pointers& params, const Pointers& grads, const Pointers& exp_avg,
+                               const Pointers& exp_avg_sq, const Sizes& sizes, int grad_dtype, int state_dtype,
+                               const LambArgs& args, uint32_t seed, int num_threads);
+
+}  // namespace ds

@@ -1,0 +1,19 @@
+"""ds-ops: the native ops of ds. C++17 + pybind11 kernels built just in time by the op builder
+(no torch headers: Python passes pointers, C++ releases the GIL), and the optimizers made of them.
+
+    import ds_ops
+    opt = ds_ops.CPUAdam(model.parameters(), lr=1e-3)            # the optimizer of ZeRO-Offload
+    opt = ds_ops.CPUAdam(model.parameters(), state_dtype=torch.bfloat16)  # bf16 m, v: 20 B/param/step
+
+``ds-report`` lists every op, whether this machine can build it and whether it is built.
+"""
+
+__version__ = "0.1.0"
+
+from .adagrad import CPUAdagrad
+from .adam import CPUAdam, FusedAdam
+from .lamb import FusedLamb
+from .lion import CPULion
+from .op_builder import OpBuilder, OpBuildError
+
+__all__ = ["CPUAdagrad", "CPUAdam", "CPULion", "FusedAdam", "FusedLamb", "OpBuildError", "OpBuilder", "__version__"]

@@ -1,0 +1,103 @@
+"""What the CPU optimizers share: input checks, state handling, batching tensors into one kernel call."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+
+import torch
+
+DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+STATE_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+
+
+def check_hyperparameters(name: str, lr: float, eps: float | None = None, betas: tuple | None = None,
+                          weight_decay: float = 0.0) -> None:
+    if not lr >= 0.0:
+        raise ValueError(f"{name}: lr must be >= 0, got {lr}")
+    if eps is not None and not eps >= 0.0:
+        raise ValueError(f"{name}: eps must be >= 0, got {eps}")
+    if betas is not None and (len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas)):
+        raise ValueError(f"{name}: betas must be two numbers in [0, 1), got {betas}")
+    if not weight_decay >= 0.0:
+        raise ValueError(f"{name}: weight_decay must be >= 0, got {weight_decay}")
+
+
+def check_state_dtype(name: str, dtype) -> torch.dtype:
+    if dtype not in STATE_DTYPES:
+        raise ValueError(f"{name}: state_dtype must be torch.float32 or torch.bfloat16, got {dtype}")
+    return dtype
+
+
+def check_cpu_param(name: str, p: torch.Tensor) -> None:
+    where = f"{name}: parameter of shape {tuple(p.shape)}"
+    if p.device.type != "cpu":
+        raise ValueError(f"{where} is on {p.device}; this optimizer updates CPU tensors "
+                         "(FusedAdam/FusedLamb take device tensors)")
+    if p.dtype != torch.float32:
+        raise ValueError(f"{where} is {p.dtype}; the master parameters must be torch.float32")
+    if not p.is_contiguous():
+        raise ValueError(f"{where} is not contiguous; call .contiguous() on it before building the optimizer")
+    grad = p.grad
+    if grad.dtype not in DTYPE_CODES or grad.device.type != "cpu" or not grad.is_contiguous():
+        raise ValueError(f"{where} has a gradient that is {grad.dtype} on {grad.device}"
+                         f"{'' if grad.is_contiguous() else ', not contiguous'}; gradients must be contiguous "
+                         "CPU tensors of float32, float16 or bfloat16")
+    if grad.shape != p.shape:
+        raise ValueError(f"{where} has a gradient of shape {tuple(grad.shape)}")
+
+
+def state_tensor(state: dict, key: str, p: torch.Tensor, dtype: torch.dtype, initial: float = 0.0) -> torch.Tensor:
+    """The state tensor ``key`` of ``p`` in ``dtype``: created on the first step, and converted
+    back after a load (torch's load_state_dict casts state to the parameter's dtype)."""
+    tensor = state.get(key)
+    if tensor is None:
+        tensor = torch.full_like(p, initial, dtype=dtype, memory_format=torch.contiguous_format)
+    elif tensor.dtype != dtype or not tensor.is_contiguous() or tensor.device != p.device:
+        tensor = tensor.to(device=p.device, dtype=dtype).contiguous()
+    state[key] = tensor
+    return tensor
+
+
+def next_step(state: dict) -> float:
+    """Advance the per-parameter step (a float32 scalar tensor, as torch.optim keeps it)."""
+    step = state.get("step")
+    if step is None:
+        step = torch.tensor(0.0, dtype=torch.float32)
+    elif not torch.is_tensor(step):
+        step = torch.tensor(float(step), dtype=torch.float32)
+    step += 1
+    state["step"] = step
+    return float(step)
+
+
+def stream_seed(step: float, group_index: int) -> int:
+    """The seed of the stochastic rounding of bf16 states: new each step, reproducible."""
+    return (int(step) * 0x9E3779B1 + group_index * 0x85EBCA6B + 0x165667B1) & 0xFFFFFFFF
+
+
+class Batches:
+    """Tensors of one group that share the kernel's scalar arguments, as lists of pointers."""
+
+    def __init__(self):
+        self._batches: dict[tuple, dict[str, list]] = defaultdict(lambda: defaultdict(list))
+
+    def add(self, key: tuple, **pointers: torch.Tensor | int) -> None:
+        batch = self._batches[key]
+        for name, value in pointers.items():
+            batch[name].append(value if isinstance(value, int) else value.data_ptr())
+
+    def run(self, call: Callable[[tuple, dict[str, list]], None]) -> None:
+        for key, batch in self._batches.items():
+            call(key, batch)
+
+
+def closure_loss(closure):
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
+def num_threads() -> int:
+    return torch.get_num_threads()

@@ -1,0 +1,50 @@
+"""The ops of ds-ops. Other packages define theirs on the same base (ds-io: async_io) and make
+them known to ``ds-report`` through the ``ds_ops.builders`` entry-point group."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .builder import OpBuilder, csrc_root
+
+
+class _CpuOptimizerBuilder(OpBuilder):
+    KERNEL = ""
+
+    def sources(self) -> list[Path]:
+        return [csrc_root() / "optim" / self.KERNEL, csrc_root() / "optim" / "module.cpp"]
+
+    def include_dirs(self) -> list[Path]:
+        return [csrc_root() / "common", csrc_root() / "optim"]
+
+    def defines(self) -> list[str]:
+        return [f"DS_OP_{self.NAME.upper()}"]
+
+
+class CPUAdamBuilder(_CpuOptimizerBuilder):
+    NAME = "cpu_adam"
+    DESCRIPTION = "Adam/AdamW on CPU tensors: CPUAdam, FusedAdam's CPU path"
+    KERNEL = "adam.cpp"
+
+
+class CPUAdagradBuilder(_CpuOptimizerBuilder):
+    NAME = "cpu_adagrad"
+    DESCRIPTION = "Adagrad on CPU tensors: CPUAdagrad"
+    KERNEL = "adagrad.cpp"
+
+
+class CPULionBuilder(_CpuOptimizerBuilder):
+    NAME = "cpu_lion"
+    DESCRIPTION = "Lion on CPU tensors: CPULion"
+    KERNEL = "lion.cpp"
+
+
+class CPULambBuilder(_CpuOptimizerBuilder):
+    NAME = "cpu_lamb"
+    DESCRIPTION = "LAMB on CPU tensors: FusedLamb's CPU path"
+    KERNEL = "lamb.cpp"
+
+
+BUILDERS: dict[str, type[OpBuilder]] = {
+    b.NAME: b for b in (CPUAdamBuilder, CPUAdagradBuilder, CPULionBuilder, CPULambBuilder)
+}

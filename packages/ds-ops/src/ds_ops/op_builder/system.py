@@ -1,0 +1,104 @@
+"""What the machine offers a build: compiler, ninja, Python headers, pybind11, SIMD flags.
+
+Nothing here imports torch: the op builder also runs inside ``pip install`` (DS_BUILD_OPS=1).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import subprocess
+import sysconfig
+from pathlib import Path
+
+SIMD_CHOICES = ("native", "avx512", "avx2", "scalar")
+_SIMD_FLAGS = {
+    "native": ["-march=native"],
+    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],
+    "avx2": ["-mavx2", "-mfma", "-mf16c"],
+    "scalar": [],
+}
+
+
+class OpBuildError(RuntimeError):
+    """An op could not be built or loaded; the message holds the compiler's output and the fix."""
+
+
+def compiler() -> str | None:
+    """The C++ compiler: $CXX, else c++, g++ or clang++ on PATH."""
+    if os.environ.get("CXX"):
+        return shutil.which(os.environ["CXX"].split()[0]) and os.environ["CXX"]
+    for name in ("c++", "g++", "clang++"):
+        if shutil.which(name):
+            return name
+    return None
+
+
+@functools.cache
+def compiler_version(cxx: str) -> str:
+    try:
+        out = subprocess.run([*cxx.split(), "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"unusable ({e})"
+    return out.stdout.splitlines()[0].strip() if out.returncode == 0 and out.stdout else "unknown"
+
+
+def ninja() -> str | None:
+    """ninja on PATH, else the one of the `ninja` Python package."""
+    found = shutil.which("ninja")
+    if found:
+        return found
+    try:
+        import ninja as ninja_package
+    except ImportError:
+        return None
+    candidate = Path(ninja_package.BIN_DIR) / "ninja"
+    return str(candidate) if candidate.exists() else None
+
+
+def python_include() -> Path:
+    return Path(sysconfig.get_paths()["include"])
+
+
+def pybind11_include() -> Path | None:
+    try:
+        import pybind11
+    except ImportError:
+        return None
+    return Path(pybind11.get_include())
+
+
+def simd_choice() -> str:
+    choice = os.environ.get("DS_BUILD_SIMD", "native").lower()
+    if choice not in SIMD_CHOICES:
+        raise OpBuildError(f"DS_BUILD_SIMD must be one of {', '.join(SIMD_CHOICES)}, got {choice!r}")
+    return choice
+
+
+def simd_flags() -> list[str]:
+    """-march=native by default (a build for this machine); DS_BUILD_SIMD picks a portable level."""
+    return list(_SIMD_FLAGS[simd_choice()])
+
+
+@functools.cache
+def simd_level(cxx: str, flags: tuple[str, ...]) -> str:
+    """The vector width a build with these flags uses, read from the compiler's own macros."""
+    try:
+        out = subprocess.run([*cxx.split(), *flags, "-dM", "-E", "-x", "c++", os.devnull],
+                             capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    if "__AVX512F__" in out:
+        return "AVX-512"
+    if "__AVX2__" in out and "__FMA__" in out and "__F16C__" in out:
+        return "AVX2"
+    return "scalar"
+
+
+def cache_root() -> Path:
+    """DS_OPS_CACHE, else $XDG_CACHE_HOME/ds_ops, else ~/.cache/ds_ops."""
+    if os.environ.get("DS_OPS_CACHE"):
+        return Path(os.environ["DS_OPS_CACHE"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "ds_ops"

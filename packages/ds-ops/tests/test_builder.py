@@ -1,0 +1,187 @@
+"""The op builder for real: cold builds into empty caches, reuse, corrupt entries, concurrent
+ranks, compiler errors, SIMD levels, ahead-of-time builds into a wheel, ds-report."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from ds_ops.op_builder import CPUAdamBuilder, OpBuilder, OpBuildError
+
+PACKAGE_ROOT = Path(__file__).resolve().parents[1]
+
+LOAD = textwrap.dedent("""
+    import logging, sys
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s")
+    from ds_ops.op_builder import CPUAdamBuilder
+    module = CPUAdamBuilder().load()
+    print("LOADED", module.simd_level(), module.__file__)
+""")
+
+
+def _python(code: str, env: dict, timeout: float = 300) -> subprocess.CompletedProcess:
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout,
+                            env={**os.environ, **env})
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result
+
+
+@pytest.fixture
+def cache(tmp_path):
+    return tmp_path / "cache"
+
+
+def test_cold_build_then_warm_reuse(cache):
+    first = _python(LOAD, {"DS_OPS_CACHE": str(cache)})
+    assert "building op cpu_adam" in first.stdout and "LOADED" in first.stdout
+    (entry,) = [d for d in cache.iterdir() if d.is_dir()]
+    assert entry.name.startswith("cpu_adam-")
+    stamp = json.loads((entry / "stamp.json").read_text())
+    assert stamp["op"] == "cpu_adam" and stamp["simd"] in ("AVX-512", "AVX2", "scalar")
+    second = _python(LOAD, {"DS_OPS_CACHE": str(cache)})
+    assert "building" not in second.stdout and "LOADED" in second.stdout
+
+
+@pytest.mark.parametrize("damage", ["truncate the module", "remove the stamp"])
+def test_a_corrupt_or_unfinished_entry_is_rebuilt(cache, damage):
+    _python(LOAD, {"DS_OPS_CACHE": str(cache)})
+    (entry,) = [d for d in cache.iterdir() if d.is_dir()]
+    if damage == "truncate the module":
+        (library,) = entry.glob("ds_ops_cpu_adam*.so")
+        library.write_bytes(library.read_bytes()[:1000])
+    else:
+        (entry / "stamp.json").unlink()
+    again = _python(LOAD, {"DS_OPS_CACHE": str(cache)})
+    assert "incomplete or corrupt; rebuilding" in again.stdout
+    assert "LOADED" in again.stdout
+
+
+def test_concurrent_ranks_build_once(cache):
+    """Three processes load the op at once into an empty cache: one builds, the others wait."""
+    env = {**os.environ, "DS_OPS_CACHE": str(cache)}
+    ranks = [subprocess.Popen([sys.executable, "-c", LOAD], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, env=env) for _ in range(3)]
+    outputs = [rank.communicate(timeout=300)[0] for rank in ranks]
+    assert all(rank.returncode == 0 for rank in ranks), outputs
+    assert sum(out.count("building op cpu_adam") for out in outputs) == 1, outputs
+    assert all("LOADED" in out for out in outputs)
+
+
+class _BrokenBuilder(OpBuilder):
+    NAME = "broken_test_op"
+
+    def __init__(self, source: Path):
+        self.source = source
+
+    def sources(self):
+        return [self.source]
+
+
+def test_a_failed_build_shows_the_compiler_message_and_the_fix(tmp_path):
+    source = tmp_path / "broken.cpp"
+    source.write_text("int main( { this is not C++ }\n")
+    with pytest.raises(OpBuildError) as info:
+        _BrokenBuilder(source).build(tmp_path / "out")
+    message = str(info.value)
+    assert "building op broken_test_op failed" in message
+    assert "broken.cpp" in message and "error" in message  # the compiler's own words
+    assert "fix:" in message
+
+
+def test_the_fingerprint_follows_the_sources(tmp_path):
+    source = tmp_path / "op.cpp"
+    source.write_text("int f() { return 1; }\n")
+    before = _BrokenBuilder(source).fingerprint()
+    source.write_text("int f() { return 2; }\n")
+    assert _BrokenBuilder(source).fingerprint() != before
+
+
+def test_without_a_compiler_the_reason_is_given(monkeypatch, tmp_path):
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    monkeypatch.setenv("DS_OPS_CACHE", str(tmp_path))
+    monkeypatch.setattr(OpBuilder, "_loaded", {})
+    builder = CPUAdamBuilder()
+    monkeypatch.setattr(type(builder), "prebuilt_path", lambda self: tmp_path / "none.so")
+    ok, reason = builder.compatibility()
+    assert not ok and "no C++ compiler" in reason and "g++" in reason
+    with pytest.raises(OpBuildError, match="cannot build op cpu_adam: no C\\+\\+ compiler"):
+        builder.load()
+
+
+def test_unknown_simd_level_is_refused(monkeypatch):
+    monkeypatch.setenv("DS_BUILD_SIMD", "avx1024")
+    with pytest.raises(OpBuildError, match="DS_BUILD_SIMD must be one of native, avx512, avx2, scalar, got 'avx1024'"):
+        CPUAdamBuilder().cxx_flags()
+
+
+SIMD_CHECK = textwrap.dedent("""
+    import torch, ds_ops
+    from ds_ops.op_builder import CPUAdamBuilder
+    print("SIMD", CPUAdamBuilder().load().simd_level())
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(1000, generator=g).requires_grad_(); b = a.detach().clone().requires_grad_()
+    ours, ref = ds_ops.CPUAdam([a], lr=1e-2, weight_decay=0.01), torch.optim.AdamW([b], lr=1e-2, weight_decay=0.01)
+    for _ in range(10):
+        grad = torch.randn(1000, generator=g)
+        a.grad, b.grad = grad.clone(), grad.clone()
+        ours.step(); ref.step()
+    torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-5, atol=1e-5)
+    n = 1 << 18   # bf16 states: stochastic rounding must stay unbiased on this backend too
+    p = torch.zeros(n, requires_grad=True); p.grad = torch.full((n,), 1.0 / 3.0)
+    opt = ds_ops.CPUAdam([p], lr=0.0, betas=(0.0, 0.999), state_dtype=torch.bfloat16); opt.step()
+    assert abs(opt.state[p]["exp_avg"].float().mean().item() - 1.0 / 3.0) < 5e-5
+    print("OK")
+""")
+
+
+@pytest.mark.parametrize("level, expected", [("avx2", "AVX2"), ("scalar", "scalar")])
+def test_portable_simd_levels_build_and_compute_the_same(cache, level, expected):
+    """The AVX-512 path runs everywhere else in these tests; the AVX2 and scalar ones run here."""
+    result = _python(SIMD_CHECK, {"DS_OPS_CACHE": str(cache), "DS_BUILD_SIMD": level})
+    assert f"SIMD {expected}" in result.stdout and "OK" in result.stdout
+
+
+def test_ds_build_ops_puts_a_prebuilt_op_in_the_wheel_that_needs_no_compiler(tmp_path):
+    wheels = tmp_path / "wheels"
+    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(wheels),
+                            str(PACKAGE_ROOT)], capture_output=True, text=True, timeout=600,
+                           env={**os.environ, "DS_BUILD_CPU_ADAM": "1"})
+    assert build.returncode == 0, build.stdout + build.stderr
+    (wheel,) = wheels.glob("ds_ops-*.whl")
+    assert not wheel.name.endswith("-none-any.whl"), "a wheel with a compiled op is platform-specific"
+    unpacked = tmp_path / "site"
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+        archive.extractall(unpacked)
+    assert any(n.startswith("ds_ops/_prebuilt/ds_ops_cpu_adam") for n in names)
+    assert "ds_ops/_csrc/optim/adam.cpp" in names  # sources ship for the just-in-time builds
+    code = textwrap.dedent(f"""
+        import torch, ds_ops
+        assert ds_ops.__file__.startswith({str(unpacked)!r}), ds_ops.__file__
+        from ds_ops.op_builder import CPUAdamBuilder
+        assert CPUAdamBuilder().is_built() and not CPUAdamBuilder().compatibility()[0]
+        p = torch.zeros(10, requires_grad=True); p.grad = torch.ones(10)
+        ds_ops.CPUAdam([p], lr=0.1).step()
+        assert torch.allclose(p.detach(), torch.full((10,), -0.1))
+        print("PREBUILT OK")
+    """)
+    result = _python(code, {"PYTHONPATH": str(unpacked), "CXX": "/nonexistent/c++", "PATH": "/nonexistent",
+                            "DS_OPS_CACHE": str(tmp_path / "empty-cache")})
+    assert "PREBUILT OK" in result.stdout
+
+
+def test_ds_report_lists_every_op():
+    out = subprocess.run([sys.executable, "-m", "ds_ops.report"], capture_output=True, text=True, timeout=300,
+                         check=True).stdout
+    for line in ("python", "torch", "compiler", "ninja", "SIMD", "op cache"):
+        assert any(row.startswith(line) for row in out.splitlines()), line
+    for op in ("cpu_adam", "cpu_adagrad", "cpu_lion", "cpu_lamb"):
+        (row,) = [r for r in out.splitlines() if r.startswith(op + " ")]
+        assert row.split()[1] == "yes", row
