@@ -149,6 +149,29 @@ def test_ignore_list_by_type_and_instance():
     prof.end_profile()
 
 
+def test_ignoring_one_parent_of_a_shared_instance_does_not_ignore_it_under_the_other():
+    shared = nn.Linear(8, 8)
+
+    class TwoParents(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Sequential(shared)
+            self.b = nn.Sequential(shared)
+
+        def forward(self, x):
+            return self.b(x)
+
+    model = TwoParents()
+    one = 2 * 4 * 8 * 8 + 4 * 8
+    prof = profile(model, torch.randn(4, 8), ignore_list=[model.a])
+    tree = prof.get_profile()
+    assert prof.get_total_flops() == one  # run through b, which is not ignored
+    assert tree.find("a").ignored and tree.find("a.0").ignored  # shown as ignored where it sits under a
+    assert not tree.find("b").ignored and not tree.find("b.0").ignored
+    assert tree.find("b.0").flops == one
+    prof.end_profile()
+
+
 def test_calls_accumulate_reset_and_stop():
     model = MLP()
     x = torch.randn(4, 16)

@@ -109,12 +109,11 @@ class FlopsProfiler:
         self._remove_hooks()
         self._abort_forward()
         self._records = {}
-        ignored_below: set[int] = set()
         for name, module in self.model.named_modules():
-            ignored = (id(module) in ignore_instances or isinstance(module, ignore_types)
-                       or any(name.startswith(prefix) for prefix in ignored_below))
-            if ignored:
-                ignored_below.add(name + "." if name else "")
+            # Only the module's own membership: what runs inside an ignored module is skipped at
+            # run time (Frame.counting), so a module shared with a parent that is not ignored
+            # still counts when that parent calls it.
+            ignored = id(module) in ignore_instances or isinstance(module, ignore_types)
             self._records[module] = _Record(module, name, ignored)
         for module, record in self._records.items():
             self._handles.append(module.register_forward_pre_hook(partial(self._enter, record), with_kwargs=True))
@@ -241,15 +240,17 @@ class FlopsProfiler:
     def get_profile(self) -> ModuleProfile:
         """The profile as a tree of :class:`ModuleProfile` records, shaped like the model."""
         self._root()
-        return self._build(self.model, "", 0)
+        return self._build(self.model, "", 0, False)
 
-    def _build(self, module: nn.Module, name: str, depth: int) -> ModuleProfile:
+    def _build(self, module: nn.Module, name: str, depth: int, inside_ignored: bool) -> ModuleProfile:
         record = self._records.get(module)
-        children = tuple(
-            self._build(child, f"{name}.{key}" if name else key, depth + 1) for key, child in module.named_children()
-        )
         if record is None:  # a submodule added after start_profile()
             record = _Record(module, name, False)
+        ignored = inside_ignored or record.ignored  # shown ignored below an ignored parent, here
+        children = tuple(
+            self._build(child, f"{name}.{key}" if name else key, depth + 1, ignored)
+            for key, child in module.named_children()
+        )
         flops, macs, duration = record.flops, record.macs, record.duration
         if record.calls == 0 and children and type(module).forward is nn.Module.forward:
             # A container that is iterated, never called (ModuleList, ModuleDict): its children's sum.
@@ -260,7 +261,7 @@ class FlopsProfiler:
             name=name, type_name=type(module).__name__, depth=depth, params=record.params,
             trainable_params=record.trainable_params, flops=flops, macs=macs,
             self_flops=record.self_flops, self_macs=record.self_macs, duration=duration,
-            calls=record.calls, ignored=record.ignored, extra_repr=module.extra_repr(), children=children,
+            calls=record.calls, ignored=ignored, extra_repr=module.extra_repr(), children=children,
         )
 
     def print_model_profile(self, profile_step: int = 1, module_depth: int = -1, top_modules: int = 1,
