@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import torch
 from _models import GPT, MLP, gpt_counts, mlp_counts
 from torch import nn
@@ -83,6 +85,40 @@ def test_generate_mode_counts_every_forward_of_generate():
     flops, macs, _ = get_model_profile(TinyLM(), args=[idx], mode="generate", as_string=False, print_profile=False)
     tokens = 4 + 5 + 6  # the sequence grows by one token per step
     assert (flops, macs) == (2 * tokens * 8 * 10, tokens * 8 * 10)
+
+
+class EncoderDecoder(nn.Module):
+    """As Hugging Face's encoder-decoder models: generate() runs the encoder outside forward()."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc = nn.Linear(4, 4, bias=False)
+        self.dec = nn.Linear(4, 4, bias=False)
+
+    def forward(self, x, encoded=None):
+        if encoded is None:
+            encoded = self.enc(x)
+        return self.dec(encoded)
+
+    def generate(self, x, steps=2):
+        encoded = self.enc(x)  # HF: self.get_encoder()(...), not through self(...)
+        for _ in range(steps):
+            out = self(x, encoded=encoded)
+        return out
+
+
+def test_generate_counts_a_submodule_called_outside_the_models_forward(tmp_path):
+    one = 3 * 4 * 4  # MACs of one linear call on (3, 4)
+    path = tmp_path / "p.txt"
+    flops, macs, _ = get_model_profile(EncoderDecoder(), args=[torch.randn(3, 4)], mode="generate",
+                                       as_string=False, output_file=path)
+    assert (flops, macs) == (2 * 3 * one, 3 * one)  # the encoder once, the decoder twice
+    text = path.read_text()  # the summary reports the same totals
+    assert re.search(rf"fwd MACs per GPU: +{macs_to_string(3 * one)} *\n", text)
+    assert re.search(rf"fwd flops per GPU: +{flops_to_string(6 * one)} *\n", text)
+    # percentages of the total: the model's own calls are 2/3 of it, the encoder's 1/3
+    assert f"{macs_to_string(2 * one)}, 66.67% MACs" in text
+    assert f"(enc): Linear(16, 50.00% Params, {macs_to_string(one)}, 33.33% MACs" in text
 
 
 def test_ignore_modules_and_output_file(tmp_path):

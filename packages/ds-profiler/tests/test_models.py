@@ -192,6 +192,26 @@ def test_calls_accumulate_reset_and_stop():
     prof.end_profile()
 
 
+def test_totals_include_a_submodule_called_on_its_own():
+    model = MLP()
+    x = torch.randn(4, 16)
+    prof = FlopsProfiler(model)
+    prof.start_profile()
+    with torch.no_grad():
+        model.fc1(x)  # outside the model's forward, as an encoder-decoder's generate() calls its encoder
+        model(x)
+    prof.stop_profile()
+    fc1 = 2 * 4 * 16 * 32 + 4 * 32
+    tree = prof.get_profile()
+    assert (tree.flops, tree.find("fc1").flops) == (mlp_counts(4)[0], 2 * fc1)
+    assert prof.get_total_flops() == mlp_counts(4)[0] + fc1
+    assert prof.get_total_macs() == mlp_counts(4)[1] + 4 * 16 * 32
+    assert prof.get_total_duration() > tree.duration > 0
+    prof.reset_profile()
+    assert (prof.get_total_flops(), prof.get_total_macs(), prof.get_total_duration()) == (0, 0, 0.0)
+    prof.end_profile()
+
+
 def test_params_total_and_trainable():
     model = MLP()
     model.fc1.requires_grad_(False)

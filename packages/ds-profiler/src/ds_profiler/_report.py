@@ -41,8 +41,14 @@ Note: 1. A module can have torch.nn.module or torch.nn.functional to compute log
 
 @dataclass
 class Summary:
-    """The run-level numbers of the summary block; the engine supplies the optional ones."""
+    """The run-level numbers of the summary block; the engine supplies the optional ones.
 
+    ``flops``, ``macs`` and ``duration`` are the profiler's totals: the root module's calls and any
+    submodule called outside them. The tree's percentages are of these totals."""
+
+    flops: int = 0
+    macs: int = 0
+    duration: float = 0.0
     world_size: int = 1
     dp_size: int = 1
     mp_size: int = 1
@@ -58,7 +64,7 @@ def _line(label: str, value) -> str:
 
 
 def format_summary(root: ModuleProfile, summary: Summary, profile_step: int, recompute_fwd_factor: float) -> list[str]:
-    flops, macs, params = root.flops, root.macs, root.params
+    flops, macs, params = summary.flops, summary.macs, root.params
     mp = summary.mp_size
     bwd_factor = 2 + recompute_fwd_factor
     fwd = summary.fwd_latency
@@ -128,11 +134,11 @@ def _percent(part: float, whole: float) -> str:
     return f"{part / whole:.2%}" if whole else "0.00%"
 
 
-def _items(node: ModuleProfile, root: ModuleProfile) -> str:
+def _items(node: ModuleProfile, root: ModuleProfile, summary: Summary) -> str:
     items = [
         params_to_string(node.params), f"{_percent(node.params, root.params)} Params",
-        macs_to_string(node.macs), f"{_percent(node.macs, root.macs)} MACs",
-        duration_to_string(node.duration), f"{_percent(node.duration, root.duration)} latency",
+        macs_to_string(node.macs), f"{_percent(node.macs, summary.macs)} MACs",
+        duration_to_string(node.duration), f"{_percent(node.duration, summary.duration)} latency",
         rate_to_string(node.flops_per_second),
     ]
     if node.extra_repr:
@@ -145,13 +151,13 @@ def _indent(text: str, spaces: int) -> str:
     return "\n".join([lines[0]] + [" " * spaces + line for line in lines[1:]])
 
 
-def format_tree(node: ModuleProfile, root: ModuleProfile) -> str:
+def format_tree(node: ModuleProfile, root: ModuleProfile, summary: Summary) -> str:
     """``Type(items)`` for a leaf, ``Type(\\n  items\\n  (child): ...\\n)`` otherwise, as ``print(model)``."""
-    items = _items(node, root)
+    items = _items(node, root, summary)
     if not node.children:
         return f"{node.type_name}({items})"
     lines = [items] + [
-        f"({child.name.rsplit('.', 1)[-1]}): {_indent(format_tree(child, root), 2)}" for child in node.children
+        f"({child.name.rsplit('.', 1)[-1]}): {_indent(format_tree(child, root, summary), 2)}" for child in node.children
     ]
     return f"{node.type_name}(\n  " + "\n  ".join(lines) + "\n)"
 
@@ -163,6 +169,6 @@ def format_profile(root: ModuleProfile, summary: Summary, *, profile_step: int, 
     if detailed:
         note = (", thus it's less than the fwd latency shown above which is captured in the engine"
                 if summary.from_engine else "; it is the fwd latency shown above")
-        out += ["", DETAILED, DETAILED_INTRO.format(engine_note=note), format_tree(root, root)]
+        out += ["", DETAILED, DETAILED_INTRO.format(engine_note=note), format_tree(root, root, summary)]
     out.append(END)
     return "\n".join(out) + "\n"

@@ -18,8 +18,10 @@ class CpuClock:
     def start(self):
         return time.perf_counter()
 
-    def stop(self, record, token) -> None:
-        record.duration += time.perf_counter() - token
+    def stop(self, token, *records) -> None:
+        elapsed = time.perf_counter() - token
+        for record in records:
+            record.duration += elapsed
 
     def resolve(self, records) -> None:
         pass
@@ -34,17 +36,19 @@ class CudaClock:
         event.record()
         return event
 
-    def stop(self, record, token) -> None:
+    def stop(self, token, *records) -> None:
         end = torch.cuda.Event(enable_timing=True)
         end.record()
-        self._pending.append((record, token, end))
+        self._pending.append((records, token, end))
 
     def resolve(self, records) -> None:
         if not self._pending:
             return
         torch.cuda.synchronize()
-        for record, start, end in self._pending:
-            record.duration += start.elapsed_time(end) / 1000.0
+        for records, start, end in self._pending:
+            elapsed = start.elapsed_time(end) / 1000.0
+            for record in records:
+                record.duration += elapsed
         self._pending.clear()
 
 
@@ -67,9 +71,11 @@ class SyncClock:
         self._sync()
         return time.perf_counter()
 
-    def stop(self, record, token) -> None:
+    def stop(self, token, *records) -> None:
         self._sync()
-        record.duration += time.perf_counter() - token
+        elapsed = time.perf_counter() - token
+        for record in records:
+            record.duration += elapsed
 
     def resolve(self, records) -> None:
         pass

@@ -4,7 +4,7 @@ Between ``start_profile()`` and ``stop_profile()`` every module of the model car
 pre-hook and an always-called forward hook. The pre-hook pushes a frame on a stack (and, for the
 outermost module, pushes the counting mode on torch's mode stack); the counting mode adds each
 op's flops to the top frame; the hook pops the frame, adds its totals to the module's record and
-to its caller's frame (and, for the outermost module, pops the mode). A module called twice is
+to its caller's frame (for the outermost module: to the profiler's totals, and pops the mode). A module called twice is
 counted twice; a module's ops are counted once however deeply it is nested.
 """
 
@@ -59,6 +59,21 @@ class _Record:
         self.active = 0
 
 
+class _Totals:
+    """Every profiled call that emptied the module stack: the model's own forward calls, and a
+    submodule called on its own (an encoder-decoder's ``generate`` runs ``get_encoder()(...)``
+    outside the model's forward)."""
+
+    __slots__ = ("duration", "flops", "macs")
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.flops = self.macs = 0
+        self.duration = 0.0
+
+
 def _numel(p: torch.Tensor) -> int:
     """ZeRO-3 partitions parameters and keeps the full size in ``ds_numel``."""
     return int(getattr(p, "ds_numel", 0) or p.numel())
@@ -94,6 +109,7 @@ class FlopsProfiler:
         self.recompute_fwd_factor = float(recompute_fwd_factor)
         self.started = False
         self._records: dict[nn.Module, _Record] = {}
+        self._totals = _Totals()
         self._handles: list = []
         self._stack: list[Frame] = []
         self._mode = CountingMode(self._stack)
@@ -115,6 +131,7 @@ class FlopsProfiler:
             # still counts when that parent calls it.
             ignored = id(module) in ignore_instances or isinstance(module, ignore_types)
             self._records[module] = _Record(module, name, ignored)
+        self._totals.reset()
         for module, record in self._records.items():
             self._handles.append(module.register_forward_pre_hook(partial(self._enter, record), with_kwargs=True))
             self._handles.append(module.register_forward_hook(partial(self._exit, record), always_call=True))
@@ -131,11 +148,13 @@ class FlopsProfiler:
         self._resolve_clocks()
         for record in self._records.values():
             record.reset()
+        self._totals.reset()
 
     def end_profile(self) -> None:
         """Detach everything and drop the numbers (call after reading or printing them)."""
         self.stop_profile()
         self._records = {}
+        self._totals.reset()
         self._clocks = {}
         self.started = False
 
@@ -173,14 +192,22 @@ class FlopsProfiler:
         macs = frame.self_macs + frame.child_macs
         record.self_flops += frame.self_flops
         record.self_macs += frame.self_macs
+        timed = []
         if record.active == 0:  # a module inside itself is counted by its outermost call only
             record.flops += flops
             record.macs += macs
-            self._clock.stop(record, frame.start)
+            timed.append(record)
         if self._stack:
             parent = self._stack[-1]
             parent.child_flops += flops
             parent.child_macs += macs
+        else:  # the stack emptied: one whole profiled call, the model's or a submodule's alone
+            totals = self._totals
+            totals.flops += flops
+            totals.macs += macs
+            timed.append(totals)
+        if timed:
+            self._clock.stop(frame.start, *timed)
 
     def _begin_forward(self, args, kwargs) -> None:
         device_type = _device_type(self.model, args, kwargs)
@@ -217,13 +244,16 @@ class FlopsProfiler:
         return record
 
     def get_total_flops(self, as_string: bool = False):
-        """Floating-point operations of the profiled forward calls (``'2.2 G'`` with as_string)."""
-        flops = self._root().flops
+        """Floating-point operations of the profiled forward calls (``'2.2 G'`` with as_string):
+        the model's, and those of submodules called outside the model's forward."""
+        self._root()
+        flops = self._totals.flops
         return flops_to_string(flops) if as_string else flops
 
     def get_total_macs(self, as_string: bool = False):
         """Multiply-accumulate operations of the profiled forward calls (``'1.1 GMACs'``)."""
-        macs = self._root().macs
+        self._root()
+        macs = self._totals.macs
         return macs_to_string(macs) if as_string else macs
 
     def get_total_params(self, as_string: bool = False, *, trainable_only: bool = False):
@@ -233,8 +263,9 @@ class FlopsProfiler:
         return params_to_string(params) if as_string else params
 
     def get_total_duration(self, as_string: bool = False):
-        """Seconds spent in the model's profiled forward calls (``'12.3 ms'``)."""
-        duration = self._root().duration
+        """Seconds spent in the profiled forward calls (``'12.3 ms'``), as get_total_flops."""
+        self._root()
+        duration = self._totals.duration
         return duration_to_string(duration) if as_string else duration
 
     def get_profile(self) -> ModuleProfile:
@@ -290,7 +321,9 @@ class FlopsProfiler:
         return text
 
     def _summary(self, root: ModuleProfile) -> _report.Summary:
-        summary = _report.Summary(fwd_latency=root.duration)
+        totals = self._totals
+        summary = _report.Summary(flops=totals.flops, macs=totals.macs, duration=totals.duration,
+                                  fwd_latency=totals.duration)
         engine = self.ds_engine
         if engine is None:
             if torch.distributed.is_available() and torch.distributed.is_initialized():
