@@ -53,10 +53,19 @@ def test_numbers_written_as_floats_are_integers():
     ({"top_modules": True}, "must be an integer, got True"),
     ({"enabled": "yes"}, "enabled"),
     ({"profile_step": "3"}, "profile_step"),
+    ({"recompute_fwd_factor": True}, "flops_profiler.recompute_fwd_factor must be a number >= 0, got True"),
+    ({"recompute_fwd_factor": "0.5"}, "flops_profiler.recompute_fwd_factor must be a number >= 0, got '0.5'"),
+    ({"recompute_fwd_factor": None}, "flops_profiler.recompute_fwd_factor must be a number >= 0, got None"),
 ])
 def test_bad_values_name_the_key_and_value(section, message):
     with pytest.raises(ValidationError, match=message):
         FlopsProfilerConfig.model_validate(section)
+
+
+def test_recompute_fwd_factor_takes_integers_and_floats():
+    assert FlopsProfilerConfig.model_validate(json.loads('{"recompute_fwd_factor": 1}')).recompute_fwd_factor == 1.0
+    config = FlopsProfilerConfig.model_validate(json.loads('{"recompute_fwd_factor": 0.25}'))
+    assert config.recompute_fwd_factor == 0.25 and isinstance(config.recompute_fwd_factor, float)
 
 
 def test_fields_are_documented():

@@ -32,7 +32,7 @@ class FlopsProfilerConfig(BaseModel):
 
     enabled: bool = Field(False, strict=True, description="Profile one training step.")
     recompute_fwd_factor: float = Field(
-        0.0, description="Fraction of the forward recomputed in the backward (activation "
+        0.0, strict=True, description="Fraction of the forward recomputed in the backward (activation "
         "checkpointing); the backward is estimated as (2 + recompute_fwd_factor) forwards.")
     profile_step: Integer = Field(1, description="The global training step at which to profile "
                                   "(earlier steps warm up).")
@@ -54,12 +54,14 @@ class FlopsProfilerConfig(BaseModel):
                     raise ValueError(f"{SECTION}: unknown key {key!r}{hint} Allowed keys: {', '.join(allowed)}")
         return data
 
-    @field_validator("recompute_fwd_factor")
+    @field_validator("recompute_fwd_factor", mode="before")
     @classmethod
-    def _factor(cls, value: float) -> float:
-        if not math.isfinite(value) or value < 0:
+    def _factor(cls, value: Any) -> float:
+        # Strict like the other keys (and FlopsProfiler's own check): a JSON number, not true or "0.5".
+        if (isinstance(value, bool) or not isinstance(value, (int, float))
+                or not math.isfinite(value) or value < 0):
             raise ValueError(f"{SECTION}.recompute_fwd_factor must be a number >= 0, got {value!r}")
-        return value
+        return float(value)
 
     @field_validator("profile_step")
     @classmethod
