@@ -94,6 +94,14 @@ def test_input_shape_that_does_not_fit_names_the_shape():
     assert "input_shape=(2, 7)" in notes and "torch.float32" in notes
 
 
+def test_an_output_error_gets_no_input_shape_note(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(OSError) as info:  # the output file's parent is a file: not the model's fault
+        get_model_profile(MLP(), input_shape=(2, 16), output_file=blocker / "p.txt")
+    assert not getattr(info.value, "__notes__", [])
+
+
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"input_shape": "2,16"}, "input_shape must be a non-empty tuple of positive integers, got '2,16'"),
     ({"input_shape": (2, 0)}, r"input_shape must be .* got \(2, 0\)"),

@@ -52,26 +52,27 @@ def profiled_call(model: nn.Module, args: Sequence, kwargs: dict, *, mode: str =
 
     Eval mode and ``torch.no_grad()`` during the calls; afterwards the profiler is ended and the
     modules' train/eval flags are restored, also when the model raises (``note`` is then added
-    to the model's exception).
+    to the model's exception, and only to that: not to an error of the ``with`` body).
     """
     call = model.generate if mode == "generate" else model
     profiler = FlopsProfiler(model)
     training = {m: m.training for m in model.modules()}
     model.eval()
     try:
-        with torch.no_grad():
-            if warm_up:
-                logger.info("flops profiler: %d warm-up call(s)", warm_up)
-            for _ in range(warm_up):
+        try:
+            with torch.no_grad():
+                if warm_up:
+                    logger.info("flops profiler: %d warm-up call(s)", warm_up)
+                for _ in range(warm_up):
+                    call(*args, **kwargs)
+                profiler.start_profile(ignore_list=ignore_modules)
                 call(*args, **kwargs)
-            profiler.start_profile(ignore_list=ignore_modules)
-            call(*args, **kwargs)
-            profiler.stop_profile()
+                profiler.stop_profile()
+        except Exception as error:
+            if note:
+                error.add_note(note)
+            raise
         yield profiler
-    except Exception as error:
-        if note:
-            error.add_note(note)
-        raise
     finally:
         profiler.end_profile()
         for module, flag in training.items():
