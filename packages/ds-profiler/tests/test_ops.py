@@ -46,6 +46,23 @@ CASES = [
     ("einsum-implicit", lambda a, b: torch.einsum("ij,jk", a, b), (r(3, 4), r(4, 5)), 120, 60),
     ("einsum-sum", lambda a: torch.einsum("ij->i", a), (r(3, 4),), 12, 0),
     ("einsum-transpose", lambda a: torch.einsum("ij->ji", a), (r(3, 4),), 0, 0),
+    # -- outer products: a broadcast multiply, 1 per output element (no accumulation, no MACs);
+    # addr adds beta * input as addmm does
+    ("outer", torch.outer, (r(3), r(5)), 15, 0),
+    ("ger-method", lambda a, b: a.ger(b), (r(3), r(5)), 15, 0),
+    ("addr", torch.addr, (x35(), r(3), r(5)), 15 + 15, 0),
+    ("addr-beta-alpha", lambda c, a, b: torch.addr(c, a, b, beta=0.5, alpha=2.0), (x35(), r(3), r(5)),
+     15 + 15 + 15 + 15, 0),
+    ("addr-beta0", lambda c, a, b: torch.addr(c, a, b, beta=0), (x35(), r(3), r(5)), 15, 0),
+    ("addr_-inplace", lambda c, a, b: c.clone().addr_(a, b), (x35(), r(3), r(5)), 30, 0),
+    # -- distances: cdist, per output and coordinate: subtract, |.|^p, sum (any p, any kernel);
+    # cosine_similarity, per output: the D-long dot (MACs) + two norms at 2 per element
+    ("cdist", torch.cdist, (r(2, 4, 3), r(2, 6, 3)), 3 * 48 * 3, 0),
+    ("cdist-p1", lambda a, b: torch.cdist(a, b, p=1), (r(4, 3), r(6, 3)), 3 * 24 * 3, 0),
+    ("cdist-mm-kernel", torch.cdist, (r(30, 3), r(40, 3)), 3 * 1200 * 3, 0),  # > 25 rows: torch uses mm
+    ("cosine_similarity", F.cosine_similarity, (r(4, 8), r(4, 8)), 2 * 32 + 4 * 32, 32),
+    ("cosine_similarity-broadcast", lambda a, b: F.cosine_similarity(a, b, dim=-1), (r(2, 3, 8), r(8)),
+     2 * 48 + 4 * 48, 48),
     ("bilinear", F.bilinear, (r(4, 3), r(4, 5), r(6, 3, 5), r(6)), 2 * 24 * (15 + 3) + 24, 24 * (15 + 3)),
     ("conv1d-stride", lambda x, w: F.conv1d(x, w, stride=2), (r(2, 3, 10), r(5, 3, 3)), 2 * 40 * 9, 40 * 9),
     ("conv2d-bias", F.conv2d, (r(2, 3, 8, 8), r(4, 3, 3, 3), r(4)), 2 * 288 * 27 + 288, 288 * 27),
@@ -201,7 +218,8 @@ def test_multihead_attention():
 
 
 # -- independent reference: torch's aten-level FlopCounterMode (2 flops per MAC of mm/bmm/conv/attention)
-REFERENCE = [c for c in CASES if c[4] and not c[0].startswith(("einsum-chain", "bilinear", "tensordot", "dot", "mv"))]
+REFERENCE = [c for c in CASES if c[4] and not c[0].startswith(
+    ("einsum-chain", "bilinear", "tensordot", "dot", "mv", "cosine_similarity"))]
 
 
 @pytest.mark.parametrize(("fn", "inputs", "macs"), [(c[1], c[2], c[4]) for c in REFERENCE], ids=[c[0] for c in REFERENCE])

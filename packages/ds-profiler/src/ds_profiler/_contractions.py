@@ -1,5 +1,5 @@
-"""Flop formulas of the ops that multiply and accumulate: linear, matmuls, einsum, convolutions,
-attention and recurrent layers.
+"""Flop formulas of the ops that multiply and accumulate: linear, matmuls, einsum, cosine
+similarity, convolutions, attention and recurrent layers.
 
 Every formula has the signature ``(out, args, kwargs) -> (flops, macs)`` and sees the op's result
 and its arguments exactly as the caller passed them. Conventions (README, "Flop conventions"):
@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import string
 
+import torch
 from torch import Tensor
 
 Result = tuple[int, int]
@@ -94,6 +95,15 @@ def addbmm(out, args, kwargs) -> Result:
     b2 = arg(args, kwargs, 2, "batch2")
     macs = b1.numel() * b2.shape[-1]
     return 2 * macs + _scaled_add(out.numel(), kwargs.get("beta", 1), kwargs.get("alpha", 1)), macs
+
+
+def cosine_similarity(out, args, kwargs) -> Result:
+    """``x1 . x2 / (|x1| |x2|)`` along ``dim``: every element of the broadcast inputs is one term of
+    one output's dot product (a MAC) and of the two norms (2 flops per element each, as ``norm``);
+    the division is a per-output scalar, not counted."""
+    x1, x2 = arg(args, kwargs, 0, "x1"), arg(args, kwargs, 1, "x2")
+    macs = math.prod(torch.broadcast_shapes(x1.shape, x2.shape))
+    return 2 * macs + 2 * 2 * macs, macs
 
 
 def tensordot(out, args, kwargs) -> Result:

@@ -1,5 +1,6 @@
 """Flop formulas of the ops that do not multiply-accumulate: elementwise arithmetic, activations,
-softmax, normalisations, reductions, pooling, interpolation, embeddings, dropout and losses.
+outer products, cdist, softmax, normalisations, reductions, pooling, interpolation, embeddings,
+dropout and losses.
 
 Same signature as in ``_contractions``: ``(out, args, kwargs) -> (flops, macs)``; MACs are 0 here.
 Only floating-point results cost flops: integer index arithmetic and boolean masks are free.
@@ -12,7 +13,7 @@ import math
 
 from torch import Tensor
 
-from ._contractions import SOFTMAX_FLOPS, Result, arg, first_tensor
+from ._contractions import SOFTMAX_FLOPS, Result, _scaled_add, arg, first_tensor
 
 NOTHING: Result = (0, 0)
 
@@ -50,6 +51,33 @@ def addcmul(out, args, kwargs) -> Result:
     if not _floating(out):
         return NOTHING
     return (3 if arg(args, kwargs, 3, "value", 1) != 1 else 2) * out.numel(), 0
+
+
+def outer(out, args, kwargs) -> Result:
+    """outer/ger: ``v1[i] * v2[j]``, a broadcast multiply: 1 flop per output element, no MACs."""
+    if not _floating(out):
+        return NOTHING
+    return out.numel(), 0
+
+
+def addr(out, args, kwargs) -> Result:
+    """addr: ``beta * input + alpha * outer(vec1, vec2)``: the outer product, then as addmm's add."""
+    if not _floating(out):
+        return NOTHING
+    n = out.numel()
+    return n + _scaled_add(n, kwargs.get("beta", 1), kwargs.get("alpha", 1)), 0
+
+
+CDIST_FLOPS = 3  # per output and coordinate: subtract, |.|^p, sum (the root is a per-output scalar)
+
+
+def cdist(out, args, kwargs) -> Result:
+    """cdist(x1 (.., P, M), x2 (.., R, M)): every output is a distance over M coordinates, counted
+    from its definition whatever the kernel (torch may use a matmul for p=2)."""
+    x1 = arg(args, kwargs, 0, "x1")
+    if not _floating(out):
+        return NOTHING
+    return CDIST_FLOPS * out.numel() * x1.shape[-1], 0
 
 
 def minmax(out, args, kwargs) -> Result:

@@ -75,6 +75,7 @@ def _build() -> dict:
     for name in ("addmm", "baddbmm", "addmv"):
         put(_spellings(name), c.addmm)
     put(_spellings("addbmm"), c.addbmm)
+    put(_spellings("cosine_similarity", tensor_methods=False, inplace=False), c.cosine_similarity)
     put([torch.einsum, getattr(torch.functional, "einsum", None)], c.einsum)
     put([torch.tensordot, getattr(torch.functional, "tensordot", None)], c.tensordot)
     for d in (1, 2, 3):
@@ -101,6 +102,9 @@ def _build() -> dict:
         put(_spellings(name), p.add_sub)
     put(_dunders("__add__", "__radd__", "__iadd__", "__sub__", "__rsub__", "__isub__"), p.add_sub)
     put(_spellings("addcmul") + _spellings("addcdiv"), p.addcmul)
+    put(_spellings("outer", inplace=False) + _spellings("ger", inplace=False), p.outer)
+    put(_spellings("addr"), p.addr)
+    put(_spellings("cdist", tensor_methods=False, inplace=False), p.cdist)
     put(_spellings("lerp"), p.per_element(3))
     put(_spellings("glu", inplace=False), p.per_element(2))
     put(_spellings("max", inplace=False) + _spellings("min", inplace=False), p.minmax)
