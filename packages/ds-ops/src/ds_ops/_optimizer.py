@@ -92,6 +92,26 @@ class Batches:
             call(key, batch)
 
 
+def state_dtype_of(group: dict) -> torch.dtype:
+    return torch.bfloat16 if group["state_dtype"] == "bfloat16" else torch.float32
+
+
+def batch_group(optimizer: torch.optim.Optimizer, name: str, group: dict, states: dict[str, float]) -> Batches:
+    """Check every parameter of ``group`` that has a gradient, advance its step, make its state
+    tensors (``states``: key -> initial value) and batch the pointers by (step, gradient dtype)."""
+    dtype = state_dtype_of(group)
+    batches = Batches()
+    for p in group["params"]:
+        if p.grad is None:
+            continue
+        check_cpu_param(name, p)
+        state = optimizer.state[p]
+        step = next_step(state)
+        tensors = {key: state_tensor(state, key, p, dtype, initial) for key, initial in states.items()}
+        batches.add((step, DTYPE_CODES[p.grad.dtype]), params=p, grads=p.grad, sizes=p.numel(), **tensors)
+    return batches
+
+
 def closure_loss(closure):
     if closure is None:
         return None

@@ -33,24 +33,14 @@ class CPUAdagrad(torch.optim.Optimizer):
         loss = common.closure_loss(closure)
         kernel = CPUAdagradBuilder().load()
         for gi, group in enumerate(self.param_groups):
-            state_dtype = torch.bfloat16 if group["state_dtype"] == "bfloat16" else torch.float32
-            batches = common.Batches()
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                common.check_cpu_param(self._NAME, p)
-                state = self.state[p]
-                step = common.next_step(state)
-                total = common.state_tensor(state, "sum", p, state_dtype, group["initial_accumulator_value"])
-                batches.add((step, common.DTYPE_CODES[p.grad.dtype]), params=p, grads=p.grad, sums=total,
-                            sizes=p.numel())
+            batches = common.batch_group(self, self._NAME, group, {"sum": group["initial_accumulator_value"]})
 
-            def run(key, batch, group=group, gi=gi, state_dtype=state_dtype):
+            def run(key, batch, group=group, gi=gi):
                 step, grad_code = key
                 clr = group["lr"] / (1.0 + (step - 1.0) * group["lr_decay"])
-                kernel.adagrad_update(batch["params"], batch["grads"], batch["sums"], batch["sizes"], grad_code,
-                                      common.DTYPE_CODES[state_dtype], clr, group["eps"], group["weight_decay"],
-                                      common.stream_seed(step, gi), common.num_threads())
+                kernel.adagrad_update(batch["params"], batch["grads"], batch["sum"], batch["sizes"], grad_code,
+                                      common.DTYPE_CODES[common.state_dtype_of(group)], clr, group["eps"],
+                                      group["weight_decay"], common.stream_seed(step, gi), common.num_threads())
 
             batches.run(run)
         return loss

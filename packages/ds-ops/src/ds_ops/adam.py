@@ -45,13 +45,10 @@ class _AdamKernel(torch.optim.Optimizer):
             group.setdefault("bias_correction", True)
             group.setdefault("state_dtype", "float32")
 
-    def _state_dtype(self, group) -> torch.dtype:
-        return torch.bfloat16 if group["state_dtype"] == "bfloat16" else torch.float32
-
     def _cpu_step(self, group_index: int, group: dict, params: list[torch.Tensor],
                   copies: list[torch.Tensor | None] | None = None) -> None:
         kernel = CPUAdamBuilder().load()
-        state_dtype = self._state_dtype(group)
+        state_dtype = common.state_dtype_of(group)
         beta1, beta2 = group["betas"]
         batches = common.Batches()
         for i, p in enumerate(params):
@@ -161,7 +158,7 @@ class FusedAdam(_AdamKernel):
         if not group["bias_correction"]:
             raise ValueError("FusedAdam: bias_correction=False is supported for CPU tensors only "
                              "(torch's fused device kernel always corrects)")
-        if self._state_dtype(group) != torch.float32:
+        if common.state_dtype_of(group) != torch.float32:
             raise ValueError("FusedAdam: state_dtype=torch.bfloat16 is supported for CPU tensors only")
         if not FusedAdam._warned_device:
             logger.warning("FusedAdam on %s uses torch's fused Adam kernel; this path has not been verified on a "

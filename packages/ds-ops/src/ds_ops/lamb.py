@@ -70,7 +70,7 @@ class FusedLamb(torch.optim.Optimizer):
 
     def _cpu_update(self, gi: int, group: dict, p: torch.Tensor, step: float, scale: float) -> None:
         common.check_cpu_param(self._NAME, p)
-        state_dtype = torch.bfloat16 if group["state_dtype"] == "bfloat16" else torch.float32
+        state_dtype = common.state_dtype_of(group)
         state = self.state[p]
         m = common.state_tensor(state, "exp_avg", p, state_dtype)
         v = common.state_tensor(state, "exp_avg_sq", p, state_dtype)

@@ -27,23 +27,13 @@ class CPULion(torch.optim.Optimizer):
         loss = common.closure_loss(closure)
         kernel = CPULionBuilder().load()
         for gi, group in enumerate(self.param_groups):
-            state_dtype = torch.bfloat16 if group["state_dtype"] == "bfloat16" else torch.float32
-            beta1, beta2 = group["betas"]
-            batches = common.Batches()
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                common.check_cpu_param(self._NAME, p)
-                state = self.state[p]
-                step = common.next_step(state)
-                exp_avg = common.state_tensor(state, "exp_avg", p, state_dtype)
-                batches.add((step, common.DTYPE_CODES[p.grad.dtype]), params=p, grads=p.grad, exp_avg=exp_avg,
-                            sizes=p.numel())
+            batches = common.batch_group(self, self._NAME, group, {"exp_avg": 0.0})
 
-            def run(key, batch, group=group, gi=gi, state_dtype=state_dtype, beta1=beta1, beta2=beta2):
+            def run(key, batch, group=group, gi=gi):
                 step, grad_code = key
+                beta1, beta2 = group["betas"]
                 kernel.lion_update(batch["params"], batch["grads"], batch["exp_avg"], batch["sizes"], grad_code,
-                                   common.DTYPE_CODES[state_dtype], group["lr"], beta1, beta2,
+                                   common.DTYPE_CODES[common.state_dtype_of(group)], group["lr"], beta1, beta2,
                                    group["weight_decay"], common.stream_seed(step, gi), common.num_threads())
 
             batches.run(run)
