@@ -345,3 +345,12 @@ def test_bad_half_copies_are_rejected():
         opt.step(fp16_param_groups=[[torch.empty(4, dtype=torch.float16)]])
     with pytest.raises(ValueError, match="fp16_param_groups has 2 groups, the optimizer 1"):
         opt.step(fp16_param_groups=[[], []])
+
+
+def test_bad_input_leaves_the_optimizer_state_untouched():
+    good, bad = _param(16), torch.randn(8, 8).t().requires_grad_()
+    good.grad, bad.grad = torch.randn(16), torch.randn(8, 8).t()
+    for optimizer in (ds_ops.CPUAdam([good, bad]), ds_ops.CPULion([good, bad])):
+        with pytest.raises(ValueError, match="not contiguous"):
+            optimizer.step()
+        assert optimizer.state[good] == {}  # no step counted, no state made for the good parameter

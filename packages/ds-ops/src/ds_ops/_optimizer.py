@@ -100,11 +100,11 @@ def batch_group(optimizer: torch.optim.Optimizer, name: str, group: dict, states
     """Check every parameter of ``group`` that has a gradient, advance its step, make its state
     tensors (``states``: key -> initial value) and batch the pointers by (step, gradient dtype)."""
     dtype = state_dtype_of(group)
-    batches = Batches()
-    for p in group["params"]:
-        if p.grad is None:
-            continue
+    params = [p for p in group["params"] if p.grad is not None]
+    for p in params:  # all checks first: bad input must leave every state as it was
         check_cpu_param(name, p)
+    batches = Batches()
+    for p in params:
         state = optimizer.state[p]
         step = next_step(state)
         tensors = {key: state_tensor(state, key, p, dtype, initial) for key, initial in states.items()}

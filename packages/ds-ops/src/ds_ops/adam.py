@@ -50,15 +50,18 @@ class _AdamKernel(torch.optim.Optimizer):
         kernel = CPUAdamBuilder().load()
         state_dtype = common.state_dtype_of(group)
         beta1, beta2 = group["betas"]
-        batches = common.Batches()
+        # check everything before touching any state: bad input must leave the optimizer as it was
+        out_codes = []
         for i, p in enumerate(params):
             common.check_cpu_param(self._NAME, p)
+            out_codes.append(-1 if not copies or copies[i] is None else _check_copy(self._NAME, copies[i], p))
+        batches = common.Batches()
+        for i, p in enumerate(params):
             state = self.state[p]
             step = common.next_step(state)
             exp_avg = common.state_tensor(state, "exp_avg", p, state_dtype)
             exp_avg_sq = common.state_tensor(state, "exp_avg_sq", p, state_dtype)
-            copy = copies[i] if copies else None
-            out_code = -1 if copy is None else _check_copy(self._NAME, copy, p)
+            copy, out_code = (copies[i] if copies else None), out_codes[i]
             batches.add((step, common.DTYPE_CODES[p.grad.dtype], out_code), params=p, grads=p.grad,
                         exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, outs=0 if copy is None else copy,
                         sizes=p.numel())
