@@ -1,0 +1,159 @@
+"""Run a function on N spawned ranks with gloo: the harness every distributed test of ds uses.
+
+    from ds_comm.testing import spawn
+
+    def check_sum(rank, world_size):          # a module-level function of the test file
+        t = torch.ones(1) * rank
+        ds_comm.all_reduce(t)
+        return t.item()
+
+    def test_sum():
+        assert spawn(check_sum, world_size=2) == [1.0, 1.0]
+
+Ranks are fresh interpreters (``spawn``: forking a process that has run torch's OpenMP code can
+hang the child), each with ``init_distributed`` done on a free port. A rank that raises makes
+``spawn`` raise `RankFailed` with that rank's traceback; ranks still running after ``timeout``
+seconds are killed and `RankTimeout` names them, so a test never hangs. The function travels by
+reference (module file + name), so it must be a module-level function; test modules that pytest
+imports without a package (``--import-mode=importlib``) work too.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import queue
+import signal
+import socket
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch.multiprocessing as mp
+
+
+class RankFailed(RuntimeError):
+    """A rank raised: the message holds its rank and traceback."""
+
+
+class RankTimeout(RuntimeError):
+    """Ranks did not finish in time and were killed."""
+
+
+def free_port() -> int:
+    """A TCP port free on this machine now (the OS picks it, so parallel tests do not collide)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class _FunctionRef:
+    module: str
+    file: str | None
+    qualname: str
+
+    @classmethod
+    def of(cls, fn: Callable) -> _FunctionRef:
+        qualname = getattr(fn, "__qualname__", "")
+        if not qualname or "<" in qualname or "." in qualname:
+            raise ValueError(f"spawn needs a module-level function, got {qualname or fn!r}: "
+                             "define it at the top level of the test module")
+        module = sys.modules.get(fn.__module__)
+        return cls(fn.__module__, getattr(module, "__file__", None), qualname)
+
+    def load(self) -> Callable:
+        try:
+            module = importlib.import_module(self.module)
+        except ImportError:
+            if self.file is None:
+                raise
+            spec = importlib.util.spec_from_file_location(self.module, self.file)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[self.module] = module
+            spec.loader.exec_module(module)
+        return getattr(module, self.qualname)
+
+
+def _rank_main(rank: int, world_size: int, port: int, ref: _FunctionRef, args: tuple, kwargs: dict,
+               results, backend: str, env: dict[str, str], teardown: bool) -> None:
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+                       "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size),
+                       **env})
+    import faulthandler
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the harness asks a hung rank for its stacks
+    import ds_comm
+
+    try:
+        ds_comm.init_distributed(dist_backend=backend)
+        value = ref.load()(rank, world_size, *args, **kwargs)
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+        return
+    if teardown:
+        ds_comm.destroy_process_group()
+        results.put((rank, True, value))
+        return
+    # no teardown (the test left the group unusable on purpose): report, then leave at once
+    results.put((rank, True, value))
+    results.close()
+    results.join_thread()
+    os._exit(0)
+
+
+def spawn(fn: Callable, world_size: int = 2, args: tuple = (), kwargs: dict | None = None, *,
+          timeout: float = 120.0, backend: str = "gloo", env: dict[str, str] | None = None,
+          teardown: bool = True) -> list[Any]:
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` ranks; return their results
+    in rank order. Raises `RankFailed` (first failing rank, with traceback) or `RankTimeout`.
+    ``teardown=False`` skips the closing barrier and destroy (for tests that break the group)."""
+    if world_size < 1:
+        raise ValueError(f"spawn: world_size must be >= 1, got {world_size}")
+    ref = _FunctionRef.of(fn)
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    port = free_port()
+    ranks = [context.Process(target=_rank_main, args=(r, world_size, port, ref, tuple(args), dict(kwargs or {}),
+                                                     results, backend, dict(env or {}), teardown), daemon=True)
+             for r in range(world_size)]
+    for process in ranks:
+        process.start()
+    values: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(values) < world_size:
+            try:
+                rank, ok, payload = results.get(timeout=0.05)
+            except queue.Empty:
+                _check_dead(ranks, values)
+                if time.monotonic() > deadline:
+                    pending = sorted(set(range(world_size)) - set(values))
+                    for r in pending:
+                        if ranks[r].is_alive():
+                            os.kill(ranks[r].pid, signal.SIGUSR1)  # their stacks go to stderr
+                    time.sleep(0.2)  # let faulthandler write them before the kill
+                    raise RankTimeout(f"ranks {pending} of {world_size} did not finish within {timeout:g} s "
+                                      "and were killed (their Python stacks are printed above)") from None
+                continue
+            if not ok:
+                raise RankFailed(f"rank {rank} of {world_size} failed:\n{payload}")
+            values[rank] = payload
+    finally:
+        for process in ranks:
+            process.join(timeout=5 if len(values) == world_size else 0.5)
+            if process.is_alive():
+                process.kill()
+                process.join()
+    return [values[r] for r in range(world_size)]
+
+
+def _check_dead(ranks, values: dict) -> None:
+    """A rank that died without reporting (killed, segfault) fails the run at once."""
+    for rank, process in enumerate(ranks):
+        if rank not in values and not process.is_alive() and process.exitcode not in (None, 0):
+            raise RankFailed(f"rank {rank} died with exit code {process.exitcode} before reporting")

@@ -1,0 +1,119 @@
+"""Everything that needs no processes: topology arithmetic, config, bit packing, discovery."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import ds_comm
+from ds_comm.distributed import _discover, first_slurm_host
+from ds_comm.logger import bus_factor
+
+
+@pytest.mark.parametrize("dims", [[2, 2, 2], [1, 3, 2], [4, 1, 1], [2, 3, 1]])
+def test_topology_maps_every_rank_both_ways(dims):
+    topo = ds_comm.ProcessTopology(axes=["pipe", "data", "model"], dims=dims)
+    assert topo.world_size() == dims[0] * dims[1] * dims[2]
+    for rank, (p, d, m) in enumerate(itertools.product(*(range(n) for n in dims))):
+        # row-major, the last axis varying fastest (DeepSpeed's layout)
+        assert rank == p * dims[1] * dims[2] + d * dims[2] + m
+        assert topo.get_rank(pipe=p, data=d, model=m) == rank
+        assert tuple(topo.get_coord(rank)) == (p, d, m)
+    for axis, n in zip(["pipe", "data", "model"], dims, strict=True):
+        lines = topo.get_axis_comm_lists(axis)
+        assert sorted(r for line in lines for r in line) == list(range(topo.world_size()))
+        for line in lines:
+            coords = [topo.get_coord(r) for r in line]
+            assert len(line) == n
+            assert [getattr(c, axis) for c in coords] == list(range(n))
+            others = {tuple(v for a, v in c._asdict().items() if a != axis) for c in coords}
+            assert len(others) == 1  # a line differs only along its axis
+        for idx in range(n):
+            assert topo.get_axis_list(axis, idx) == [r for r in range(topo.world_size())
+                                                     if getattr(topo.get_coord(r), axis) == idx]
+
+
+def test_topology_errors_name_the_problem():
+    with pytest.raises(ValueError, match="every dim must be a positive integer"):
+        ds_comm.ProcessTopology(["a", "b"], [2, 0])
+    with pytest.raises(ValueError, match="same length"):
+        ds_comm.ProcessTopology(["a"], [2, 2])
+    topo = ds_comm.ProcessTopology(["pipe", "data"], [2, 2])
+    with pytest.raises(ValueError, match=r"data=2 is outside 0\.\.1"):
+        topo.get_rank(pipe=0, data=2)
+    with pytest.raises(ValueError, match="unknown axis 'model'"):
+        topo.get_axis_list("model", 0)
+    with pytest.raises(ValueError, match=r"rank 4 is outside 0\.\.3"):
+        topo.get_coord(4)
+
+
+def test_comms_logger_config_defaults_and_errors():
+    config = ds_comm.CommsLoggerConfig()
+    assert (config.enabled, config.verbose, config.prof_all, config.debug, config.prof_ops, config.hang_timeout) == \
+        (False, False, True, False, [], None)
+    with pytest.raises(ValueError, match="unknown key 'enable'; did you mean 'enabled'"):
+        ds_comm.CommsLoggerConfig.model_validate({"enable": True})
+    with pytest.raises(ValueError, match="hang_timeout must be a positive number"):
+        ds_comm.CommsLoggerConfig(hang_timeout=0)
+    with pytest.raises(ValueError, match=r"unknown op\(s\) \['allreduce'\]"):
+        ds_comm.CommsLoggerConfig(prof_ops=["allreduce"])
+
+
+def test_the_shared_config_section_loads():
+    path = Path(__file__).resolve().parents[3].parent / "shared" / "configs" / "profiling_and_monitoring.json"
+    if not path.exists():
+        pytest.skip(f"{path} is not beside this checkout")
+    section = json.loads(path.read_text())["comms_logger"]
+    config = ds_comm.CommsLoggerConfig.model_validate(section)
+    assert config.model_dump(include=set(section)) == section
+
+
+@pytest.mark.parametrize("n", [8, 64, 1000, 4096])
+def test_sign_bits_round_trip_and_pack_eight_per_byte(n):
+    n -= n % 8
+    x = torch.randn(n)
+    x[::7] = 0.0  # zero counts as +1
+    packed = ds_comm.pack_signs(x)
+    assert packed.dtype == torch.uint8 and packed.numel() == n // 8
+    assert torch.equal(ds_comm.unpack_signs(packed), torch.where(x >= 0, 1.0, -1.0))
+    # the layout: bit i of byte j is element 8j+i
+    assert int(packed[0]) == sum(1 << i for i in range(8) if x[i] >= 0)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        ds_comm.pack_signs(torch.ones(9))
+
+
+def test_discovery_sources_and_slurm_hosts():
+    assert _discover({"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1"}) == ("ds-launch/torchrun", 1, 4, 1)
+    assert _discover({"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "8", "OMPI_COMM_WORLD_LOCAL_RANK": "1"}) \
+        == ("Open MPI", 3, 8, 1)
+    assert _discover({"SLURM_PROCID": "2", "SLURM_NTASKS": "4", "SLURM_LOCALID": "0"}) == ("SLURM", 2, 4, 0)
+    assert _discover({}) is None
+    assert first_slurm_host("node[03-05,7],login1") == "node03"
+    assert first_slurm_host("gpu-a100-12") == "gpu-a100-12"
+
+
+def test_init_without_any_rank_source_names_what_it_looked_for(monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(RuntimeError, match=r"RANK\+WORLD_SIZE .*OMPI_COMM_WORLD_RANK.*SLURM_PROCID"):
+        ds_comm.init_distributed(dist_backend="gloo")
+    with pytest.raises(ValueError, match="dist_backend must be one of gloo, nccl, mpi, ucc, got 'tcp'"):
+        ds_comm.init_distributed(dist_backend="tcp")
+
+
+def test_calls_before_init_are_named():
+    with pytest.raises(RuntimeError, match=r"ds_comm.all_reduce: the process group is not initialised"):
+        ds_comm.all_reduce(torch.ones(2))
+    with pytest.raises(RuntimeError, match=r"ds_comm.get_rank: the process group is not initialised"):
+        ds_comm.get_rank()
+
+
+def test_bus_bandwidth_factors():
+    assert bus_factor("all_reduce", 4) == 1.5
+    assert bus_factor("all_gather_into_tensor", 4) == 0.75
+    assert bus_factor("reduce_scatter_tensor", 2) == 0.5
+    assert bus_factor("broadcast", 8) == 1.0
