@@ -15,8 +15,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from ds_ops.op_builder import OpBuilder
-from ds_ops.op_builder import system
+from ds_ops.op_builder import OpBuilder, system
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,312 @@
+"""`AsyncIOHandle` (alias `aio_handle`): DeepNVMe's handle API over the native ``async_io`` op.
+
+    h = AsyncIOHandle(block_size=1 << 20, queue_depth=32, intra_op_parallelism=2)
+    h.sync_pwrite(t, "/nvme/t.bin")           # blocking
+    h.async_pread(u, "/nvme/t.bin"); ...; h.wait()   # overlapped with compute; wait() -> 1
+
+Python owns the tensors: it passes (data_ptr, nbytes) to C++ and keeps every tensor of an
+asynchronous operation alive until ``wait()`` returns, even if the caller drops it. CUDA tensors
+travel through a pinned host bounce buffer. Fallbacks from O_DIRECT (unaligned offset or size,
+a filesystem that refuses it) are logged with their reason.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import logging
+import os
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from .op_builder import AsyncIOBuilder
+
+logger = logging.getLogger(__name__)
+
+PathLike = str | os.PathLike
+
+
+def _positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
+def _bool(name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
+@functools.cache
+def _core():
+    return AsyncIOBuilder().load()
+
+
+class AsyncIOHandle:
+    """Asynchronous tensor file I/O with a pool of ``intra_op_parallelism`` worker threads.
+
+    Arguments and defaults are DeepSpeed's ``aio_handle``. Keyword-only extras: ``use_direct_io``
+    (O_DIRECT where alignment allows, default True) and ``use_libaio`` (Linux AIO when the op was
+    built with it, default True; False uses pread/pwrite workers).
+    """
+
+    def __init__(self, block_size: int = 1048576, queue_depth: int = 128, single_submit: bool = False,
+                 overlap_events: bool = False, intra_op_parallelism: int = 1, *, use_direct_io: bool = True,
+                 use_libaio: bool = True):
+        self._block_size = _positive_int("block_size", block_size)
+        self._queue_depth = _positive_int("queue_depth", queue_depth)
+        self._single_submit = _bool("single_submit", single_submit)
+        self._overlap_events = _bool("overlap_events", overlap_events)
+        self._intra_op_parallelism = _positive_int("intra_op_parallelism", intra_op_parallelism)
+        self._direct = _bool("use_direct_io", use_direct_io)
+        core = _core()
+        self._handle = core.AioHandle(block_size, queue_depth, single_submit, overlap_events,
+                                      intra_op_parallelism, _bool("use_libaio", use_libaio))
+        self._keep_alive: list[torch.Tensor] = []  # tensors of operations not yet waited for
+        self._after_wait: list[Callable[[], None]] = []  # CUDA copies, validations
+        self._locked: dict[int, object] = {}  # data_ptr of a locked tensor -> what owns its memory
+        self._closed = False
+
+    # ---- settings (DeepSpeed's getters) -------------------------------------------------------
+    def get_block_size(self) -> int:
+        return self._block_size
+
+    def get_queue_depth(self) -> int:
+        return self._queue_depth
+
+    def get_single_submit(self) -> bool:
+        return self._single_submit
+
+    def get_overlap_events(self) -> bool:
+        return self._overlap_events
+
+    def get_intra_op_parallelism(self) -> int:
+        return self._intra_op_parallelism
+
+    def uses_libaio(self) -> bool:
+        return self._handle.uses_libaio()
+
+    # ---- I/O ------------------------------------------------------------------------------------
+    def pread(self, tensor: torch.Tensor, path: PathLike, validate: bool = False, async_op: bool = False,
+              file_offset: int = 0) -> None:
+        """Read ``tensor.nbytes`` bytes of ``path`` from ``file_offset`` into ``tensor``."""
+        self._io(False, tensor, path, validate, async_op, file_offset)
+
+    def pwrite(self, tensor: torch.Tensor, path: PathLike, validate: bool = False, async_op: bool = False,
+               file_offset: int = 0) -> None:
+        """Write ``tensor``'s bytes to ``path`` at ``file_offset`` (a write at offset 0 makes the
+        file exactly the tensor's size; files are never truncated otherwise)."""
+        self._io(True, tensor, path, validate, async_op, file_offset)
+
+    def sync_pread(self, tensor: torch.Tensor, path: PathLike, file_offset: int = 0) -> None:
+        self.pread(tensor, path, async_op=False, file_offset=file_offset)
+
+    def sync_pwrite(self, tensor: torch.Tensor, path: PathLike, file_offset: int = 0) -> None:
+        self.pwrite(tensor, path, async_op=False, file_offset=file_offset)
+
+    def async_pread(self, tensor: torch.Tensor, path: PathLike, file_offset: int = 0) -> None:
+        self.pread(tensor, path, async_op=True, file_offset=file_offset)
+
+    def async_pwrite(self, tensor: torch.Tensor, path: PathLike, file_offset: int = 0) -> None:
+        self.pwrite(tensor, path, async_op=True, file_offset=file_offset)
+
+    def read(self, tensor: torch.Tensor, path: PathLike, validate: bool = False, file_offset: int = 0) -> None:
+        self.pread(tensor, path, validate=validate, file_offset=file_offset)
+
+    def write(self, tensor: torch.Tensor, path: PathLike, validate: bool = False, file_offset: int = 0) -> None:
+        self.pwrite(tensor, path, validate=validate, file_offset=file_offset)
+
+    def wait(self) -> int:
+        """Block until every asynchronous operation completes; returns how many did. Raises
+        ``OSError`` naming each failed operation's path, offset and size, and ``ValueError`` when
+        nothing is pending."""
+        self._check_open("wait")
+        try:
+            completed = self._handle.wait()
+            for action in self._after_wait:
+                action()
+        finally:
+            self._keep_alive.clear()
+            self._after_wait.clear()
+            self._log_notes()
+        return completed
+
+    def pending(self) -> int:
+        """Asynchronous operations started and not yet waited for."""
+        return self._handle.pending()
+
+    # ---- page-locked buffers ---------------------------------------------------------------------
+    def new_cpu_locked_tensor(self, num_elem: int, example_tensor: torch.Tensor) -> torch.Tensor:
+        """A 1-D CPU tensor of ``num_elem`` elements of ``example_tensor``'s dtype in page-locked,
+        4096-byte aligned memory (pinned through torch when CUDA is present, else ``mlock``ed)."""
+        self._check_open("new_cpu_locked_tensor")
+        _positive_int("num_elem", num_elem)
+        dtype = example_tensor.dtype
+        nbytes = num_elem * torch.empty((), dtype=dtype).element_size()
+        if torch.cuda.is_available():
+            tensor = torch.empty(num_elem, dtype=dtype, pin_memory=True)
+            self._locked[tensor.data_ptr()] = tensor
+            return tensor
+        return self._new_mlocked(num_elem, dtype, nbytes)
+
+    def free_cpu_locked_tensor(self, tensor: torch.Tensor) -> None:
+        """Give back a tensor of ``new_cpu_locked_tensor``; its memory is released once no view of
+        it is alive any more (never under a live tensor)."""
+        if self._locked.pop(tensor.data_ptr(), None) is None:
+            raise ValueError(f"free_cpu_locked_tensor: the tensor at 0x{tensor.data_ptr():x} (shape "
+                             f"{tuple(tensor.shape)}, {tensor.dtype}) was not made by this handle's "
+                             "new_cpu_locked_tensor, or was freed already")
+
+    def _new_mlocked(self, num_elem: int, dtype: torch.dtype, nbytes: int) -> torch.Tensor:
+        core = _core()
+        address, note = core.alloc_locked(nbytes)
+        if note:
+            logger.warning("new_cpu_locked_tensor: %s", note)
+        size = max(core.ALIGNMENT, -(-nbytes // core.ALIGNMENT) * core.ALIGNMENT)
+        owner = (ctypes.c_ubyte * size).from_address(address)
+        weakref.finalize(owner, core.free_locked, address, nbytes)
+        tensor = torch.frombuffer(owner, dtype=torch.uint8)[:nbytes].view(dtype)
+        self._locked[tensor.data_ptr()] = owner
+        return tensor
+
+    # ---- life cycle --------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Finish outstanding operations (raising their errors) and stop the workers."""
+        if self._closed:
+            return
+        try:
+            if self._handle.pending():
+                self.wait()
+        finally:
+            self._closed = True
+            self._handle.close()
+
+    def __enter__(self) -> AsyncIOHandle:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"AsyncIOHandle(block_size={self._block_size}, queue_depth={self._queue_depth}, "
+                f"single_submit={self._single_submit}, overlap_events={self._overlap_events}, "
+                f"intra_op_parallelism={self._intra_op_parallelism}, "
+                f"backend={'libaio' if self.uses_libaio() else 'pread/pwrite'}"
+                f"{', closed' if self._closed else ''})")
+
+    # ---- internals ---------------------------------------------------------------------------------
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise ValueError(f"{what}: this aio handle is closed; create a new AsyncIOHandle")
+
+    def _io(self, write: bool, tensor: torch.Tensor, path: PathLike, validate: bool, async_op: bool,
+            file_offset: int) -> None:
+        verb = "pwrite" if write else "pread"
+        self._check_open(verb)
+        path = os.fspath(path)
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{verb}('{path}'): expected a torch.Tensor, got {type(tensor).__name__}")
+        if isinstance(file_offset, bool) or not isinstance(file_offset, int) or file_offset < 0:
+            raise ValueError(f"{verb}('{path}'): file_offset must be an integer >= 0, got {file_offset!r}")
+        if not tensor.is_contiguous():
+            raise ValueError(f"{verb}('{path}'): the tensor must be contiguous, got shape {tuple(tensor.shape)} "
+                             f"with strides {tensor.stride()}; pass tensor.contiguous()")
+        nbytes = tensor.numel() * tensor.element_size()
+        if write:
+            parent = Path(path).parent
+            if not parent.is_dir():
+                raise FileNotFoundError(f"cannot write {nbytes} bytes to '{path}' at offset {file_offset}: "
+                                        f"directory '{parent}' does not exist")
+        host, after = self._host_view(write, tensor, path, verb)
+        actions = [after] if after else []
+        if validate:
+            actions.append(functools.partial(_validate, write, host, path, file_offset))
+        if async_op:
+            self._handle.submit(write, host.data_ptr(), nbytes, path, file_offset, self._direct, True)
+            self._keep_alive.extend((tensor, host))
+            self._after_wait.extend(actions)
+        else:
+            try:
+                self._handle.run(write, host.data_ptr(), nbytes, path, file_offset, self._direct)
+            finally:
+                self._log_notes()
+            for action in actions:
+                action()
+
+    def _host_view(self, write: bool, tensor: torch.Tensor, path: str, verb: str):
+        """The CPU tensor the op works on, and what to do after a read completes (CUDA copy)."""
+        if tensor.device.type == "cpu":
+            return tensor, None
+        if tensor.device.type != "cuda":
+            raise ValueError(f"{verb}('{path}'): tensors must be on CPU or CUDA, got {tensor.device}")
+        bounce = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        if write:
+            bounce.copy_(tensor)
+            return bounce, None
+        return bounce, lambda: tensor.copy_(bounce)
+
+    def _log_notes(self) -> None:
+        for note in self._handle.take_notes():
+            logger.info("async_io: %s", note)
+
+
+def _validate(write: bool, tensor: torch.Tensor, path: str, file_offset: int) -> None:
+    """Compare the tensor's bytes with the file's, read back with plain Python file I/O."""
+    nbytes = tensor.numel() * tensor.element_size()
+    with open(path, "rb") as f:
+        f.seek(file_offset)
+        data = f.read(nbytes)
+    mine = tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if nbytes else b""
+    if data != mine:
+        first = next((i for i, (a, b) in enumerate(zip(data, mine, strict=False)) if a != b), min(len(data), nbytes))
+        raise OSError(f"validate: after {'pwrite' if write else 'pread'} of {nbytes} bytes at offset {file_offset}, "
+                      f"'{path}' and the tensor differ from byte {first} on")
+
+
+aio_handle = AsyncIOHandle
+
+
+# ---- GPUDirect Storage ---------------------------------------------------------------------------
+def gds_available() -> bool:
+    """True when NVIDIA GPUDirect Storage can be used: a CUDA GPU and the cuFile library."""
+    return _gds_missing() == ""
+
+
+def _gds_missing() -> str:
+    if not torch.cuda.is_available():
+        return "no CUDA GPU is available"
+    if ctypes.util.find_library("cufile") is None:
+        return "the cuFile library (libcufile.so, NVIDIA GPUDirect Storage) is not installed"
+    return ""
+
+
+class gds_handle(AsyncIOHandle):
+    """DeepSpeed's ``gds_handle``. ds-io does not drive cuFile yet: where GPUDirect Storage is
+    present this handle moves CUDA tensors through pinned host memory (and says so); where it is
+    absent, creating it raises ``RuntimeError`` naming what is missing."""
+
+    def __init__(self, *args, **kwargs):
+        missing = _gds_missing()
+        if missing:
+            raise RuntimeError(f"gds_handle needs NVIDIA GPUDirect Storage, but {missing}; "
+                               "use ds_io.aio_handle (works with CPU and CUDA tensors) instead")
+        logger.warning("gds_handle: GPUDirect Storage found, but ds-io moves CUDA tensors through pinned "
+                       "host memory (cuFile is not driven yet)")
+        super().__init__(*args, **kwargs)
+
+    def new_pinned_device_tensor(self, num_elem: int, example_tensor: torch.Tensor) -> torch.Tensor:
+        return torch.empty(num_elem, dtype=example_tensor.dtype, device=example_tensor.device)
+
+    def free_pinned_device_tensor(self, tensor: torch.Tensor) -> None:
+        pass
+
+    def pin_device_tensor(self, tensor: torch.Tensor) -> None:
+        pass
+
+    def unpin_device_tensor(self, tensor: torch.Tensor) -> None:
+        pass
