@@ -9,7 +9,9 @@ tensor swapper ZeRO-Infinity offloads through, and ``ds-nvme-tune``.
 
 __version__ = "0.1.0"
 
+from .config import AioConfig
 from .handle import AsyncIOHandle, aio_handle, gds_available, gds_handle
 from .op_builder import AsyncIOBuilder
+from .swapper import TensorSwapper
 
-__all__ = ["AsyncIOBuilder", "AsyncIOHandle", "__version__", "aio_handle", "gds_available", "gds_handle"]
+__all__ = ["AioConfig", "AsyncIOBuilder", "AsyncIOHandle", "TensorSwapper", "__version__", "aio_handle", "gds_available", "gds_handle"]
