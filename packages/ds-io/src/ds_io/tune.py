@@ -1,0 +1,263 @@
+"""``ds-nvme-tune`` (and ``ds_io.tune``): find the ``aio`` settings that move data fastest here.
+
+    ds-nvme-tune --nvme_dir /local_nvme [--sweep_config sweep.json] [--io_size 256M] [--output aio.json]
+
+Sweeps block_size x queue_depth x intra_op_parallelism x single_submit x overlap_events, writing
+``io_size`` bytes from page-locked memory into a fresh file in each directory (O_DIRECT) and reading
+them back (O_DIRECT, so never from the page cache), shows each configuration's speed as it goes,
+then prints the best read and write GB/s and the recommended ``"aio"`` block as JSON. A sweep
+config is a JSON object of lists, e.g. ``{"block_size": ["256K", "1M"], "queue_depth": [8, 32]}``;
+the keys it leaves out keep the default lists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import itertools
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .config import AioConfig
+from .handle import AsyncIOHandle
+
+DEFAULT_SWEEP: dict[str, list] = {
+    "block_size": [128 * 1024, 256 * 1024, 1024 * 1024],
+    "queue_depth": [8, 32, 128],
+    "intra_op_parallelism": [1, 2],
+    "single_submit": [False],
+    "overlap_events": [True, False],
+}
+SWEEP_ALIASES = {"thread_count": "intra_op_parallelism", "io_parallel": "intra_op_parallelism"}
+DEFAULT_IO_SIZE = 256 * 1024 * 1024
+_UNITS = {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3}
+
+
+def parse_size(value: Any, what: str = "size") -> int:
+    """Bytes from 1048576, 1e6, "1M", "256K", "1G" (binary units)."""
+    if isinstance(value, bool):
+        raise ValueError(f"{what} must be a number of bytes (e.g. 1048576 or \"1M\"), got {value!r}")
+    if isinstance(value, int | float) and float(value).is_integer() and value > 0:
+        return int(value)
+    if isinstance(value, str):
+        match = re.fullmatch(r"\s*(\d+)\s*([KMG]?)i?B?\s*", value.upper())
+        if match and int(match.group(1)) > 0:
+            return int(match.group(1)) * _UNITS[match.group(2)]
+    raise ValueError(f"{what} must be a positive number of bytes (e.g. 1048576 or \"1M\"), got {value!r}")
+
+
+def load_sweep(source: dict | str | os.PathLike | None) -> dict[str, list]:
+    """The sweep's value lists: the defaults, overridden by a dict or a JSON file's keys."""
+    if source is None:
+        return {k: list(v) for k, v in DEFAULT_SWEEP.items()}
+    if not isinstance(source, dict):
+        try:
+            source = json.loads(Path(source).read_text())
+        except (OSError, ValueError) as e:
+            raise ValueError(f"cannot read the sweep config {os.fspath(source)!r}: {e}") from None
+        if not isinstance(source, dict):
+            raise ValueError(f"the sweep config must be a JSON object of lists, got {type(source).__name__}")
+    sweep = {k: list(v) for k, v in DEFAULT_SWEEP.items()}
+    allowed = [*DEFAULT_SWEEP, *SWEEP_ALIASES]
+    for key, values in source.items():
+        if key not in allowed:
+            close = difflib.get_close_matches(key, allowed, n=1, cutoff=0.6)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ValueError(f"sweep config: unknown key {key!r}{hint} Allowed keys: {', '.join(allowed)}")
+        values = values if isinstance(values, list) else [values]
+        if not values:
+            raise ValueError(f"sweep config: {key!r} needs at least one value")
+        name = SWEEP_ALIASES.get(key, key)
+        if name == "block_size":
+            values = [parse_size(v, "sweep config: block_size") for v in values]
+        sweep[name] = [AioConfig(**{name: v}).model_dump()[name] for v in values]  # validates each value
+    return sweep
+
+
+@dataclass
+class Result:
+    block_size: int
+    queue_depth: int
+    intra_op_parallelism: int
+    single_submit: bool
+    overlap_events: bool
+    read_gbps: float | None = None
+    write_gbps: float | None = None
+
+    def config(self) -> AioConfig:
+        return AioConfig(block_size=self.block_size, queue_depth=self.queue_depth,
+                         intra_op_parallelism=self.intra_op_parallelism, single_submit=self.single_submit,
+                         overlap_events=self.overlap_events)
+
+
+@dataclass
+class TuneReport:
+    results: list[Result]
+    best_read_gbps: float | None
+    best_write_gbps: float | None
+    recommended: AioConfig
+    seconds: float
+
+    def aio_json(self) -> dict[str, Any]:
+        section = self.recommended.to_ds_config()
+        section["aio"].pop("use_gds")
+        return section
+
+
+def _print_progress(index: int, total: int, result: Result) -> None:
+    parts = [f"[{index:>3}/{total}] block_size={result.block_size:>8} queue_depth={result.queue_depth:>3} "
+             f"intra_op_parallelism={result.intra_op_parallelism} single_submit={result.single_submit!s:<5} "
+             f"overlap_events={result.overlap_events!s:<5}"]
+    if result.write_gbps is not None:
+        parts.append(f"write {result.write_gbps:6.2f} GB/s")
+    if result.read_gbps is not None:
+        parts.append(f"read {result.read_gbps:6.2f} GB/s")
+    print("  ".join(parts), file=sys.stderr, flush=True)
+
+
+def tune(nvme_dirs: Sequence[str | os.PathLike], sweep_config: dict | str | os.PathLike | None = None, *,
+         read: bool = True, write: bool = True, io_size: int | str = DEFAULT_IO_SIZE, loops: int = 1,
+         log_dir: str | os.PathLike | None = None,
+         progress: Callable[[int, int, Result], None] | None = _print_progress) -> TuneReport:
+    """Run the sweep; returns every result, the best read/write GB/s and the recommended config
+    (the best write config when reads are off, the best read config when writes are off, else
+    the config with the best sum of both)."""
+    if not read and not write:
+        raise ValueError("nothing to measure: reads and writes are both disabled")
+    dirs = [Path(d) for d in nvme_dirs]
+    if not dirs:
+        raise ValueError("give at least one directory to test (--nvme_dir)")
+    for d in dirs:
+        if not d.is_dir():
+            raise FileNotFoundError(f"--nvme_dir {os.fspath(d)!r} is not a directory")
+        if not os.access(d, os.W_OK):
+            raise PermissionError(f"--nvme_dir {os.fspath(d)!r} is not writable")
+    if isinstance(loops, bool) or not isinstance(loops, int) or loops < 1:
+        raise ValueError(f"loops must be an integer >= 1, got {loops!r}")
+    io_size = parse_size(io_size, "io_size")
+    sweep = load_sweep(sweep_config)
+    per_dir = -(-io_size // len(dirs) // 4096) * 4096
+    combos = list(itertools.product(*(sweep[k] for k in DEFAULT_SWEEP)))
+    start = time.perf_counter()
+    results: list[Result] = []
+    with AsyncIOHandle() as allocator:
+        buffers = [allocator.new_cpu_locked_tensor(per_dir, torch.empty(0, dtype=torch.uint8)) for _ in dirs]
+        for k, b in enumerate(buffers):
+            b.copy_(torch.randint(0, 256, (per_dir,), dtype=torch.uint8, generator=torch.Generator().manual_seed(k)))
+        expected = [b[:4096].clone() for b in buffers]
+        files = [d / f".ds_nvme_tune.{os.getpid()}.{k}.bin" for k, d in enumerate(dirs)]
+        try:
+            for index, combo in enumerate(combos, start=1):
+                result = Result(*combo)
+                with AsyncIOHandle(**result.config().handle_kwargs()) as handle:
+                    if write or not all(f.exists() for f in files):
+                        seconds = _best_of(loops, lambda h=handle: _run(h, buffers, files, True, fresh=True))
+                        if write:
+                            result.write_gbps = per_dir * len(dirs) / seconds / 1e9
+                    if read:
+                        seconds = _best_of(loops, lambda h=handle: _run(h, buffers, files, False, fresh=False))
+                        result.read_gbps = per_dir * len(dirs) / seconds / 1e9
+                        for b, e, f in zip(buffers, expected, files, strict=True):
+                            if not torch.equal(b[:4096], e):
+                                raise OSError(f"ds-nvme-tune: data read back from '{f}' differs from what was written")
+                results.append(result)
+                if progress:
+                    progress(index, len(combos), result)
+        finally:
+            for f in files:
+                f.unlink(missing_ok=True)
+            for b in buffers:
+                allocator.free_cpu_locked_tensor(b)
+    report = _summarize(results, read, write, time.perf_counter() - start)
+    if log_dir is not None:
+        Path(log_dir).mkdir(parents=True, exist_ok=True)
+        _write_atomic(Path(log_dir) / "ds_nvme_tune.json", json.dumps(
+            {"dirs": [os.fspath(d) for d in dirs], "io_size": io_size, "loops": loops,
+             "results": [asdict(r) for r in results], "recommended": report.aio_json()}, indent=1))
+    return report
+
+
+def _best_of(loops: int, fn: Callable[[], float]) -> float:
+    return min(fn() for _ in range(loops))
+
+
+def _run(handle: AsyncIOHandle, buffers, files, write: bool, fresh: bool) -> float:
+    if write and fresh:
+        for f in files:
+            f.unlink(missing_ok=True)
+    start = time.perf_counter()
+    for b, f in zip(buffers, files, strict=True):
+        (handle.async_pwrite if write else handle.async_pread)(b, f)
+    handle.wait()
+    return time.perf_counter() - start
+
+
+def _summarize(results: list[Result], read: bool, write: bool, seconds: float) -> TuneReport:
+    best_read = max((r.read_gbps for r in results), default=None) if read else None
+    best_write = max((r.write_gbps for r in results), default=None) if write else None
+    def score(r: Result) -> float:
+        return (r.read_gbps or 0.0) + (r.write_gbps or 0.0)
+    best = max(results, key=score)
+    return TuneReport(results, best_read, best_write, best.config(), seconds)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="ds-nvme-tune", description=__doc__.splitlines()[0])
+    parser.add_argument("--nvme_dir", nargs="+", required=True, help="Directory (or directories) in which to "
+                        "perform I/O tests: writable, on the NVMe device.")
+    parser.add_argument("--sweep_config", help="Sweep configuration JSON file (lists of values per key).")
+    parser.add_argument("--no_read", action="store_true", help="Disable read performance measurements.")
+    parser.add_argument("--no_write", action="store_true", help="Disable write performance measurements.")
+    parser.add_argument("--io_size", default=str(DEFAULT_IO_SIZE), help="Bytes to read/write per measurement "
+                        "(e.g. 400M; default 256M).")
+    parser.add_argument("--loops", type=int, default=1, help="Repetitions of each measurement (the best counts).")
+    parser.add_argument("--log_dir", help="Write every configuration's results to LOG_DIR/ds_nvme_tune.json.")
+    parser.add_argument("--output", help="Write the recommended {\"aio\": ...} block to this JSON file.")
+    parser.add_argument("--verbose", action="store_true", help="Print every configuration's result (default: "
+                        "a progress line per configuration).")
+    args = parser.parse_args(argv)
+
+    def quiet_progress(index: int, total: int, result: Result) -> None:
+        print(f"\rds-nvme-tune: {index}/{total} configurations", end="" if index < total else "\n",
+              file=sys.stderr, flush=True)
+
+    print(f"Running DeepNVMe performance tuning on {args.nvme_dir}", file=sys.stderr, flush=True)
+    try:
+        report = tune(args.nvme_dir, args.sweep_config, read=not args.no_read, write=not args.no_write,
+                      io_size=args.io_size, loops=args.loops, log_dir=args.log_dir,
+                      progress=_print_progress if args.verbose else quiet_progress)
+    except (ValueError, OSError) as e:
+        print(f"ds-nvme-tune: error: {e}", file=sys.stderr)
+        return 2
+    fmt = lambda v: "n/a" if v is None else f"{v:.2f}"  # noqa: E731
+    print(f"Best performance (GB/sec): read = {fmt(report.best_read_gbps)}, write = {fmt(report.best_write_gbps)}"
+          f"  ({len(report.results)} configurations in {report.seconds:.0f} s)")
+    text = json.dumps(report.aio_json(), indent=2)
+    print(text)
+    if args.output:
+        _write_atomic(Path(args.output), text + "\n")
+        print(f"wrote {args.output}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
