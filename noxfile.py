@@ -26,7 +26,7 @@ TEST_DEPS = ["pytest>=8", "pytest-timeout>=2.3", "numpy", TORCH]
 PACKAGES = ["ds-ops", "ds-profiler", "ds-launch", "ds-comm", "ds-io", "ds-compress", "ds-zero", "ds-pipe", "ds-all"]
 PACKAGES = [p for p in PACKAGES if (ROOT / "packages" / p / "pyproject.toml").exists()]
 # Packages whose issue asks for "installable and testable alone" in the test command.
-STANDALONE_IN_CI = ["ds-launch", "ds-profiler", "ds-ops", "ds-comm"]
+STANDALONE_IN_CI = ["ds-launch", "ds-profiler", "ds-ops", "ds-comm", "ds-io"]
 WHEELHOUSE = ROOT / ".nox" / "wheelhouse"
 
 nox.options.error_on_missing_interpreters = True
@@ -39,27 +39,59 @@ def _pytest(session: nox.Session, *args: str) -> None:
     session.run("pytest", *args, "-p", "no:cacheprovider", *session.posargs, success_codes=[0])
 
 
-def _ensure_ssh_tools(session: nox.Session) -> None:
-    """ds-launch's multi-node tests run a real sshd on loopback, and pdsh over it; install them
-    when we can (root with apt-get), else those tests skip and say why."""
-    if (shutil.which("sshd") or Path("/usr/sbin/sshd").exists()) and shutil.which("pdsh"):
+# System packages the tests use, per package: installed with apt-get when missing and we are root,
+# else the tests that need them skip and say why (never silently).
+APT_NEEDS = {
+    "ds-launch": {"sshd": "openssh-server", "ssh": "openssh-client", "pdsh": "pdsh"},  # real multi-node tests
+    "ds-io": {"/usr/include/libaio.h": "libaio-dev"},  # Linux AIO; without it the op uses pread/pwrite
+}
+
+
+def _ensure_system_packages(session: nox.Session, packages: list[str]) -> None:
+    wanted = {}
+    for package in packages:
+        for probe, apt_name in APT_NEEDS.get(package, {}).items():
+            present = Path(probe).exists() if probe.startswith("/") else (
+                shutil.which(probe) or Path(f"/usr/sbin/{probe}").exists())
+            if not present:
+                wanted[apt_name] = probe
+    if not wanted:
         return
+    names = sorted(wanted)
     if os.geteuid() != 0 or not shutil.which("apt-get"):
-        session.warn("sshd/pdsh are missing and cannot be installed (needs root and apt-get): those tests skip")
+        session.warn(f"{', '.join(names)} missing and not installable here (needs root and apt-get): tests that need them skip")
         return
     env = {"DEBIAN_FRONTEND": "noninteractive"}
     try:
         session.run("apt-get", "update", "-q", external=True, env=env, silent=True)
-        session.run("apt-get", "install", "-y", "-q", "--no-install-recommends", "openssh-server",
-                    "openssh-client", "pdsh", external=True, env=env, silent=True)
+        session.run("apt-get", "install", "-y", "-q", "--no-install-recommends", *names, external=True, env=env,
+                    silent=True)
     except CommandFailed:
-        session.warn("apt-get could not install openssh-server/pdsh: those tests skip")
+        session.warn(f"apt-get could not install {', '.join(names)}: tests that need them skip")
+
+
+def _our_dependencies(package: str) -> list[str]:
+    """The packages of this repository that ``package`` depends on, recursively (lower layers first)."""
+    import tomllib
+
+    found: list[str] = []
+
+    def visit(name: str) -> None:
+        project = tomllib.loads((ROOT / "packages" / name / "pyproject.toml").read_text())["project"]
+        for requirement in project.get("dependencies", []):
+            dep = requirement.split(">")[0].split("<")[0].split("=")[0].split("[")[0].strip()
+            if dep in PACKAGES and dep not in found:
+                visit(dep)
+                found.append(dep)
+
+    visit(package)
+    return found
 
 
 @nox.session(tags=["ci"])
 def tests(session: nox.Session) -> None:
     """Every package editable in one virtualenv, then each package's tests."""
-    _ensure_ssh_tools(session)
+    _ensure_system_packages(session, PACKAGES)
     # transformers: ds-profiler checks whole GPT-2/BERT models built from small configs (no download)
     session.install(*TEST_DEPS, "transformers", *(a for p in PACKAGES for a in ("-e", f"packages/{p}")))
     failed = []
@@ -74,15 +106,17 @@ def tests(session: nox.Session) -> None:
 
 def _standalone(package: str):
     def session_func(session: nox.Session) -> None:
-        if package == "ds-launch":
-            _ensure_ssh_tools(session)
-        session.install(*TEST_DEPS, f"packages/{package}")
+        _ensure_system_packages(session, [package])
+        # Its ds dependencies come from their directories, as an index would serve them to a user
+        # who runs `pip install <package>`; nothing else of the repository is installed.
+        session.install(*TEST_DEPS, *(f"packages/{dep}" for dep in _our_dependencies(package)),
+                        f"packages/{package}")
         # From the package folder, so pytest reads its pyproject; the sources live under src/,
         # which is not on sys.path, so the tests can only import the installed package.
         session.chdir(ROOT / "packages" / package)
         _pytest(session, "tests")
 
-    session_func.__doc__ = f"Only {package}, installed from its directory (not editable), and its tests."
+    session_func.__doc__ = f"Only {package} (and the ds packages it depends on), not editable, and its tests."
     return session_func
 
 
