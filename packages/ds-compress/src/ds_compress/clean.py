@@ -1,0 +1,123 @@
+"""``redundancy_clean``: make the compression permanent, so the saved model is really smaller.
+
+Sparse masks are multiplied into the weights; pruned rows, heads and channels are cut out of the
+weights and of their ``related_modules`` (next layer's input columns, Q/K/V rows, BatchNorm
+features); quantized weights are stored as packed integer codes (two per byte at <= 4 bits) with a
+float scale per group.  The cleaned model computes the same function as the compressed one.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+from .compress import _check_mpu, plan
+from .config import SECTION, CompressionConfig
+from .layers import _SCORES, PRUNING_KINDS, _CompressMixin
+from .quantization import pack
+from .scheduler import compressed_modules
+
+logger = logging.getLogger(__name__)
+
+
+def _param(t: torch.Tensor, like: nn.Parameter) -> nn.Parameter:
+    return nn.Parameter(t.detach().clone().contiguous(), requires_grad=like.requires_grad)
+
+
+def _keep_out(module: nn.Module, keep: torch.Tensor) -> None:
+    """Keep only the output rows (Linear) or channels (Conv2d) where ``keep``."""
+    module.weight = _param(module.weight[keep], module.weight)
+    if module.bias is not None:
+        module.bias = _param(module.bias[keep], module.bias)
+    if isinstance(module, nn.Linear):
+        module.out_features = int(keep.sum())
+    else:
+        module.out_channels = int(keep.sum())
+
+
+def _keep_in(module: nn.Module, keep: torch.Tensor, key: str) -> None:
+    """Keep only the inputs (Linear columns, Conv2d input channels, BatchNorm features) where ``keep``."""
+    if isinstance(module, nn.BatchNorm2d):
+        for name in ("weight", "bias"):
+            if getattr(module, name) is not None:
+                setattr(module, name, _param(getattr(module, name)[keep], getattr(module, name)))
+        for name in ("running_mean", "running_var"):
+            if getattr(module, name) is not None:
+                setattr(module, name, getattr(module, name)[keep].clone())
+        module.num_features = int(keep.sum())
+        return
+    if isinstance(module, nn.Conv2d) and module.groups != 1:
+        raise ValueError(f"{key}: related module has groups={module.groups}; only groups=1 convs can be resized")
+    if module.weight.shape[1] != keep.numel():
+        raise ValueError(f"{key}: related module has {module.weight.shape[1]} inputs but the pruned "
+                         f"module has {keep.numel()} outputs")
+    module.weight = _param(module.weight[:, keep], module.weight)
+    if isinstance(module, nn.Linear):
+        module.in_features = int(keep.sum())
+    else:
+        module.in_channels = int(keep.sum())
+
+
+def _drop(module: _CompressMixin, kind: str) -> None:
+    module.pruning.pop(kind, None)
+    module.pruning_enabled.pop(kind, None)
+    setattr(module, f"{kind}_mask", None)
+    if hasattr(module, _SCORES[kind]):
+        delattr(module, _SCORES[kind])
+
+
+@torch.no_grad()
+def redundancy_clean(model: nn.Module, config: Any, mpu: Any = None) -> nn.Module:
+    """Apply the compression for good (see the module docstring); returns ``model``.
+
+    Only techniques that are on (their ``schedule_offset`` reached) are applied; the others are
+    removed, which leaves the function unchanged.
+    """
+    cfg = CompressionConfig.load(config)
+    _check_mpu(mpu)
+    modules = compressed_modules(model)
+    if not modules:
+        raise ValueError("redundancy_clean: the model has no compressed module; call init_compression first")
+    for m in modules:
+        if m.pruning_enabled.get("sparse"):
+            m.weight.mul_(m.mask("sparse"))
+        _drop(m, "sparse")
+    entries = [e for e in plan(model, cfg) if e.technique in ("row_pruning", "head_pruning", "channel_pruning")]
+    cuts = []
+    for e in entries:
+        module, kind = model.get_submodule(e.name), e.technique.split("_")[0]
+        if not module.pruning_enabled.get(kind):
+            logger.warning("redundancy_clean: %s of %s never started (schedule_offset not reached); not applied",
+                           e.technique, e.name)
+            continue
+        cuts.append((e, module, kind, module.mask(kind).detach().reshape(-1).bool()))
+    for e, module, kind, keep in cuts:
+        key = f"{SECTION}.{e.technique}.different_groups.{e.group}"
+        if kind == "head":
+            heads = keep.numel()
+            in_keep = keep.repeat_interleave(module.in_features // heads)
+            _keep_in(module, in_keep, key)
+            for rname in e.related:
+                related = model.get_submodule(rname)
+                if related.out_features % heads:
+                    raise ValueError(f"{key}.related_modules: {rname!r} has {related.out_features} outputs, "
+                                     f"not a multiple of num_heads={heads}")
+                _keep_out(related, keep.repeat_interleave(related.out_features // heads))
+        else:
+            _keep_out(module, keep)
+            for rname in e.related:
+                _keep_in(model.get_submodule(rname), keep, key)
+    for m in modules:
+        for kind in PRUNING_KINDS:
+            _drop(m, kind)
+        spec = m.weight_quantization
+        if spec is not None and m.weight_quantization_enabled and m.weight is not None:
+            store = pack(m.weight.detach(), m.weight_bits, spec.groups, spec.quantization_type)
+            for name, value in store.items():
+                m.register_buffer(f"weight_{name}", value)
+            m.weight_store_type = spec.quantization_type
+            m.register_parameter("weight", None)
+    return model
