@@ -111,6 +111,9 @@ def redundancy_clean(model: nn.Module, config: Any, mpu: Any = None) -> nn.Modul
             for rname in e.related:
                 _keep_in(model.get_submodule(rname), keep, key)
     for m in modules:
+        for handle in getattr(m, "_ds_compress_hooks", []):
+            handle.remove()
+        m._ds_compress_hooks = []
         for kind in PRUNING_KINDS:
             _drop(m, kind)
         spec = m.weight_quantization

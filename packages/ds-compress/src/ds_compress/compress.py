@@ -124,11 +124,27 @@ def init_compression(model: nn.Module, config: Any, teacher_model: nn.Module | N
         COMPRESSED[next(t for t in COMPRESSED if _is(module, (t,)))].convert(module)
         module._ds_compress_name = entry.name
         _enable(module, entry, cfg)
+        if entry.technique == "channel_pruning":
+            _mask_batchnorms(model, module, entry.related)
     model._ds_compression_config = cfg
     from .scheduler import apply_schedule
 
     apply_schedule(model, cfg, 0)
     return model
+
+
+def _mask_batchnorms(model: nn.Module, conv: _CompressMixin, related: list[str]) -> None:
+    """A pruned channel must leave its BatchNorm as 0 too (BN maps 0 to its shift), so that
+    removing the channel in ``redundancy_clean`` leaves the function unchanged."""
+
+    def hook(bn, args, out):
+        mask = conv.mask("channel")
+        return out if mask is None else out * mask.reshape(1, -1, 1, 1)
+
+    for name in related:
+        bn = model.get_submodule(name)
+        if isinstance(bn, nn.BatchNorm2d):
+            conv._ds_compress_hooks = [*getattr(conv, "_ds_compress_hooks", []), bn.register_forward_hook(hook)]
 
 
 def _enable(module: _CompressMixin, entry: Entry, cfg: CompressionConfig) -> None:
