@@ -1,3 +1,4 @@
+import copy
 import math
 
 import numpy as np
@@ -142,3 +143,42 @@ def test_sparse_clean_bakes_mask_and_excluded_modules(encoder, section):
     redundancy_clean(encoder, cfg)
     assert _zero_fraction(encoder.layer[0].intermediate.dense.weight) == 0.5
     assert encoder.layer[0].intermediate.dense.sparse_mask is None
+
+
+@pytest.mark.parametrize("groups", [1, 4])
+def test_clean_exact_with_quantization_row_pruning_and_activations(section, groups):
+    """Row pruning + 4-bit weights (+ sparse, activation quantization) on the same layers: the
+    quantization scale of the next layer ignores the columns clean removes, so clean is exact."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    cfg = {**section("weight_quantization", {"quantize_weight_in_forward": True, "quantize_groups": groups},
+                     {"a": {"params": {"start_bits": 4, "target_bits": 4}}}),
+           **section("row_pruning", {"method": "topk"},
+                     {"r": {"params": {"dense_ratio": 0.5}, "modules": ["^0$"], "related_modules": [["^2$"]]}}),
+           **section("sparse_pruning", {}, {"s": {"modules": ["2"]}}),
+           **section("activation_quantization", {}, {"x": {}})}
+    init_compression(m, cfg)
+    x = torch.randn(5, 8)
+    m(x).sum().backward()
+    assert m[0].row_mask_scores.grad is not None
+    copied = copy.deepcopy(m)
+    m.eval()
+    expected = m(x)
+    redundancy_clean(m, cfg)
+    assert m[0].out_features == 8 and m[2].in_features == 8 and m[2].weight_codes.numel() == 16
+    torch.testing.assert_close(m(x), expected)
+    copied.eval()
+    torch.testing.assert_close(copied(x), expected)  # a deep copy made before clean is unaffected
+
+
+def test_channel_pruning_survives_deepcopy(convnet, section):
+    cfg = section("channel_pruning", {}, {"cp": {"params": {"dense_ratio": 0.5}, "modules": ["conv1"],
+                                                 "related_modules": [["conv2", "bn1"]]}})
+    init_compression(convnet, cfg)
+    twin = copy.deepcopy(convnet).eval()
+    convnet.eval()
+    x = torch.randn(1, 3, 4, 4)
+    expected = twin(x)
+    redundancy_clean(twin, cfg)
+    torch.testing.assert_close(twin(x), expected)
+    torch.testing.assert_close(convnet(x), expected)  # the original keeps its (hooked) BatchNorm

@@ -14,10 +14,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from .compress import _check_mpu, plan
+from .compress import ChannelMaskHook, _check_mpu, plan
 from .config import SECTION, CompressionConfig
 from .layers import _SCORES, PRUNING_KINDS, _CompressMixin
-from .quantization import pack
+from .quantization import pack_values, quantize_for_storage
 from .scheduler import compressed_modules
 
 logger = logging.getLogger(__name__)
@@ -32,6 +32,13 @@ def _keep_out(module: nn.Module, keep: torch.Tensor) -> None:
     module.weight = _param(module.weight[keep], module.weight)
     if module.bias is not None:
         module.bias = _param(module.bias[keep], module.bias)
+    quantized = getattr(module, "_clean_quantized", None)
+    if quantized is not None:
+        scale, zero_point = quantized
+        if scale.numel() != keep.numel():
+            raise ValueError(f"{module._label()}: weight_quantization.shared_parameters.quantize_groups "
+                             f"must divide the {keep.numel()} rows of a pruned layer, got {scale.numel()} groups")
+        module._clean_quantized = (scale[keep], zero_point[keep])
     if isinstance(module, nn.Linear):
         module.out_features = int(keep.sum())
     else:
@@ -51,6 +58,10 @@ def _keep_in(module: nn.Module, keep: torch.Tensor, key: str) -> None:
         return
     if isinstance(module, nn.Conv2d) and module.groups != 1:
         raise ValueError(f"{key}: related module has groups={module.groups}; only groups=1 convs can be resized")
+    quantized = getattr(module, "_clean_quantized", None)
+    if quantized is not None and quantized[0].numel() != module.weight.shape[0]:
+        raise ValueError(f"{module._label()}: weight_quantization.shared_parameters.quantize_groups must "
+                         f"divide the {module.weight.shape[0]} rows of a layer whose inputs are pruned")
     if module.weight.shape[1] != keep.numel():
         raise ValueError(f"{key}: related module has {module.weight.shape[1]} inputs but the pruned "
                          f"module has {keep.numel()} outputs")
@@ -94,33 +105,42 @@ def redundancy_clean(model: nn.Module, config: Any, mpu: Any = None) -> nn.Modul
                            e.technique, e.name)
             continue
         cuts.append((e, module, kind, module.mask(kind).detach().reshape(-1).bool()))
+    # Quantize now, on the weights the forward quantizes (masked, original shape), keeping each
+    # row's scale, so that cutting rows and columns below leaves every value exact.
+    for m in modules:
+        spec = m.weight_quantization
+        if spec is not None and m.weight_quantization_enabled and m.weight is not None:
+            values, scale, zero_point = quantize_for_storage(m.masked_weight()[0].detach(), m.weight_bits,
+                                                             spec.groups, spec.quantization_type)
+            m.weight.copy_(values)
+            m._clean_quantized = (scale, zero_point)
     for e, module, kind, keep in cuts:
         key = f"{SECTION}.{e.technique}.different_groups.{e.group}"
         if kind == "head":
             heads = keep.numel()
-            in_keep = keep.repeat_interleave(module.in_features // heads)
-            _keep_in(module, in_keep, key)
+            _keep_in(module, keep.repeat_interleave(module.in_features // heads), key)
             for rname in e.related:
                 related = model.get_submodule(rname)
-                if related.out_features % heads:
-                    raise ValueError(f"{key}.related_modules: {rname!r} has {related.out_features} outputs, "
-                                     f"not a multiple of num_heads={heads}")
                 _keep_out(related, keep.repeat_interleave(related.out_features // heads))
         else:
             _keep_out(module, keep)
             for rname in e.related:
                 _keep_in(model.get_submodule(rname), keep, key)
+    for bn in model.modules():
+        for hook_id, hook in list(bn._forward_hooks.items()):
+            if isinstance(hook, ChannelMaskHook):
+                del bn._forward_hooks[hook_id]
     for m in modules:
-        for handle in getattr(m, "_ds_compress_hooks", []):
-            handle.remove()
-        m._ds_compress_hooks = []
+        m.input_masks, m.head_outputs = [], []
         for kind in PRUNING_KINDS:
             _drop(m, kind)
-        spec = m.weight_quantization
-        if spec is not None and m.weight_quantization_enabled and m.weight is not None:
-            store = pack(m.weight.detach(), m.weight_bits, spec.groups, spec.quantization_type)
+        quantized = getattr(m, "_clean_quantized", None)
+        if quantized is not None:
+            spec = m.weight_quantization
+            store = pack_values(m.weight.detach(), *quantized, m.weight_bits, spec.quantization_type)
             for name, value in store.items():
                 m.register_buffer(f"weight_{name}", value)
             m.weight_store_type = spec.quantization_type
             m.register_parameter("weight", None)
+            del m._clean_quantized
     return model

@@ -124,8 +124,8 @@ def init_compression(model: nn.Module, config: Any, teacher_model: nn.Module | N
         COMPRESSED[next(t for t in COMPRESSED if _is(module, (t,)))].convert(module)
         module._ds_compress_name = entry.name
         _enable(module, entry, cfg)
-        if entry.technique == "channel_pruning":
-            _mask_batchnorms(model, module, entry.related)
+        if entry.related:
+            _link_related(model, module, entry)
     model._ds_compression_config = cfg
     from .scheduler import apply_schedule
 
@@ -133,18 +133,41 @@ def init_compression(model: nn.Module, config: Any, teacher_model: nn.Module | N
     return model
 
 
-def _mask_batchnorms(model: nn.Module, conv: _CompressMixin, related: list[str]) -> None:
-    """A pruned channel must leave its BatchNorm as 0 too (BN maps 0 to its shift), so that
-    removing the channel in ``redundancy_clean`` leaves the function unchanged."""
+class ChannelMaskHook:
+    """Forward hook of a BatchNorm related to a pruned conv: a pruned channel leaves the BN as 0
+    too (BN maps 0 to its shift), so cutting the channel in ``redundancy_clean`` is exact.
+    An object, not a closure, so that ``copy.deepcopy(model)`` points it at the copied conv."""
 
-    def hook(bn, args, out):
-        mask = conv.mask("channel")
+    def __init__(self, conv: _CompressMixin):
+        self.conv = conv
+
+    def __call__(self, bn, args, out):
+        mask = self.conv.mask("channel")
         return out if mask is None else out * mask.reshape(1, -1, 1, 1)
 
-    for name in related:
-        bn = model.get_submodule(name)
-        if isinstance(bn, nn.BatchNorm2d):
-            conv._ds_compress_hooks = [*getattr(conv, "_ds_compress_hooks", []), bn.register_forward_hook(hook)]
+
+def _link_related(model: nn.Module, module: _CompressMixin, entry: Entry) -> None:
+    kind = entry.technique.split("_")[0]
+    key = f"{SECTION}.{entry.technique}.different_groups.{entry.group}.related_modules"
+    for name in entry.related:
+        related = model.get_submodule(name)
+        if isinstance(related, nn.BatchNorm2d):
+            related.register_forward_hook(ChannelMaskHook(module))
+            continue
+        related = COMPRESSED[next(t for t in COMPRESSED if _is(related, (t,)))].convert(related)
+        related._ds_compress_name = name
+        if kind == "head":
+            heads = module.pruning["head"].num_heads
+            if related.out_features % heads:
+                raise ValueError(f"{key}: {name!r} has {related.out_features} outputs, not a multiple of "
+                                 f"num_heads={heads}")
+            related.head_outputs.append(module)
+        else:
+            inputs = related.weight.shape[1]
+            outputs = module.weight.shape[0]
+            if inputs != outputs:
+                raise ValueError(f"{key}: {name!r} has {inputs} inputs but {entry.name!r} has {outputs} outputs")
+            related.input_masks.append((module, kind))
 
 
 def _enable(module: _CompressMixin, entry: Entry, cfg: CompressionConfig) -> None:

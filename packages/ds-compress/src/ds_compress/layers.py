@@ -65,6 +65,12 @@ class _CompressMixin:
         self.activation_quantization_enabled = False
         self.pruning: dict[str, PruningSpec] = {}
         self.pruning_enabled: dict[str, bool] = {}
+        # Masks of the pruned modules this one is related to: their pruned outputs are this
+        # module's inputs (row/channel) or its pruned heads are this module's outputs (Q/K/V).
+        # Applying them in training changes nothing (those inputs are 0, those heads are cut) but
+        # lets the quantization scale ignore what redundancy_clean will remove.
+        self.input_masks: list[tuple[_CompressMixin, str]] = []
+        self.head_outputs: list[_CompressMixin] = []
         for kind in PRUNING_KINDS:
             self.register_buffer(f"{kind}_mask", None)
 
@@ -148,6 +154,16 @@ class _CompressMixin:
 
     def masked_weight(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         weight, bias = self.stored_weight(), getattr(self, "bias", None)
+        for owner, kind in self.input_masks:
+            m = owner.mask(kind)
+            if m is not None:
+                weight = weight * m.reshape(1, -1, *([1] * (weight.dim() - 2)))
+        for owner in self.head_outputs:
+            m = owner.mask("head")
+            if m is not None:
+                rows = m.reshape(-1).repeat_interleave(weight.shape[0] // m.numel())
+                weight = weight * rows.reshape(-1, *([1] * (weight.dim() - 1)))
+                bias = bias * rows if bias is not None else None
         for kind in PRUNING_KINDS:
             m = self.mask(kind)
             if m is None:

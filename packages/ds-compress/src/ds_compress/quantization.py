@@ -81,35 +81,59 @@ def fake_quantize(x: torch.Tensor, bits: int, groups: int = 1, quantization_type
 
 
 # ------------------------------------------------------------------------------- packed storage
-def pack(x: torch.Tensor, bits: int, groups: int, quantization_type: str) -> dict[str, torch.Tensor]:
-    """The quantized ``x`` as unsigned codes (two per byte when bits <= 4) plus per-group float16 scales."""
-    codes, scale, zero_point, _ = quantize_codes(x, bits, groups, quantization_type)
-    if bits <= 2 or quantization_type == "symmetric":
-        unsigned = codes + (1 if bits <= 2 else 2 ** (bits - 1))
-    else:
-        unsigned = codes
-    unsigned = unsigned.reshape(-1).to(torch.uint8)
+def quantize_for_storage(x: torch.Tensor, bits: int, groups: int, quantization_type: str):
+    """Quantized values of ``x`` and the scale/zero point of each storage unit.
+
+    A unit is a row of ``x`` when the groups are whole rows (``rows % groups == 0``: each row
+    repeats its group's scale), so that cutting rows or columns later keeps every value exact;
+    otherwise a unit is a group.
+    """
+    codes, scale, zero_point, offset = quantize_codes(x, bits, groups, quantization_type)
+    values = ((codes - offset) * scale + zero_point).reshape(x.shape)
+    rows = x.shape[0]
+    if rows % groups == 0:
+        scale = scale.repeat_interleave(rows // groups, dim=0)
+        zero_point = zero_point.repeat_interleave(rows // groups, dim=0)
+    return values, scale.reshape(-1), zero_point.reshape(-1)
+
+
+def _offset(bits: int, quantization_type: str) -> int:
+    if bits <= 2:
+        return 1
+    return 2 ** (bits - 1) if quantization_type == "symmetric" else 0
+
+
+def pack_values(values: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, bits: int,
+                quantization_type: str) -> dict[str, torch.Tensor]:
+    """Values already on their grid (``quantize_for_storage``) as unsigned codes, two per byte at
+    <= 4 bits, plus the float32 scale and zero point of each unit."""
+    units = scale.numel()
+    flat = values.reshape(units, -1)
+    codes = torch.round((flat - zero_point.view(-1, 1)) / scale.view(-1, 1)) + _offset(bits, quantization_type)
+    unsigned = codes.reshape(-1).clamp(0, 2 ** max(bits, 2) - 1).to(torch.uint8)
     if bits <= 4:
         if unsigned.numel() % 2:
             unsigned = torch.cat([unsigned, unsigned.new_zeros(1)])
         unsigned = unsigned[0::2] | (unsigned[1::2] << 4)
-    return {"codes": unsigned, "scale": scale.reshape(-1).to(torch.float32),
-            "zero_point": zero_point.reshape(-1).to(torch.float32),
-            "meta": torch.tensor([bits, groups, *x.shape], dtype=torch.int32)}
+    return {"codes": unsigned, "scale": scale.to(torch.float32), "zero_point": zero_point.to(torch.float32),
+            "meta": torch.tensor([bits, units, *values.shape], dtype=torch.int32)}
+
+
+def pack(x: torch.Tensor, bits: int, groups: int, quantization_type: str) -> dict[str, torch.Tensor]:
+    """The quantized ``x`` in packed storage."""
+    return pack_values(*quantize_for_storage(x, bits, groups, quantization_type), bits, quantization_type)
 
 
 def unpack(store: dict[str, torch.Tensor], quantization_type: str, dtype=torch.float32) -> torch.Tensor:
     """Inverse of ``pack``: the dequantized tensor."""
-    bits, groups, *shape = (int(v) for v in store["meta"])
+    bits, units, *shape = (int(v) for v in store["meta"])
     numel = 1
     for s in shape:
         numel *= s
     codes = store["codes"]
     if bits <= 4:
         codes = torch.stack([codes & 0xF, codes >> 4], dim=1).reshape(-1)[:numel]
-    values = codes.to(dtype).reshape(groups, -1)
-    if bits <= 2 or quantization_type == "symmetric":
-        values = values - (1 if bits <= 2 else 2 ** (bits - 1))
+    values = codes.to(dtype).reshape(units, -1) - _offset(bits, quantization_type)
     out = values * store["scale"].to(dtype).view(-1, 1) + store["zero_point"].to(dtype).view(-1, 1)
     return out.reshape(shape)
 
