@@ -15,5 +15,7 @@ from .adam import CPUAdam, FusedAdam
 from .lamb import FusedLamb
 from .lion import CPULion
 from .op_builder import OpBuilder, OpBuildError
+from .sparse_attention import SparseAttentionConfig
 
-__all__ = ["CPUAdagrad", "CPUAdam", "CPULion", "FusedAdam", "FusedLamb", "OpBuildError", "OpBuilder", "__version__"]
+__all__ = ["CPUAdagrad", "CPUAdam", "CPULion", "FusedAdam", "FusedLamb", "OpBuildError", "OpBuilder", "SparseAttentionConfig",
+           "__version__"]
