@@ -96,6 +96,22 @@ inline f16 to_f16(float f) {
 #endif
 }
 
+// ---- e^x ------------------------------------------------------------------------------------
+constexpr float kExpLow = -87.3f, kExpHigh = 88.3f, kLog2e = 1.44269504088896341f;
+constexpr float kLn2High = 0.693359375f, kLn2Low = -2.12194440e-4f;  // ln 2 = high + low, high exact in 9 bits
+// e^f for |f| <= ln2/2: 1 + f + f^2 (1/2 + f/6 + f^2/24 + ...), Taylor coefficients to 1/7!
+// (truncation error below 2^-24 on the interval).
+template <class B>
+inline typename B::V exp_polynomial(typename B::V f) {
+  typename B::V p = B::set1(1.f / 5040.f);
+  p = B::fmadd(p, f, B::set1(1.f / 720.f));
+  p = B::fmadd(p, f, B::set1(1.f / 120.f));
+  p = B::fmadd(p, f, B::set1(1.f / 24.f));
+  p = B::fmadd(p, f, B::set1(1.f / 6.f));
+  p = B::fmadd(p, f, B::set1(0.5f));
+  return B::fmadd(p, B::mul(f, f), B::add(f, B::set1(1.f)));
+}
+
 // ---- backends -------------------------------------------------------------------------------
 struct Scalar {
   using V = float;
@@ -127,6 +143,9 @@ struct Scalar {
   static V rcp_coarse(V a) { return 1.f / a; }
   static V sign(V a) { return a > 0.f ? 1.f : (a < 0.f ? -1.f : 0.f); }
   static float sum(V a) { return a; }
+  static V max(V a, V b) { return a > b ? a : b; }
+  static float reduce_max(V a) { return a; }
+  static V exp(V a) { return std::exp(a); }
 };
 
 #if defined(__AVX512F__)
@@ -212,6 +231,20 @@ struct Avx512 {
     return _mm512_mask_mov_ps(_mm512_maskz_mov_ps(pos, _mm512_set1_ps(1.f)), neg, _mm512_set1_ps(-1.f));
   }
   static float sum(V a) { return _mm512_reduce_add_ps(a); }
+  static V max(V a, V b) { return _mm512_max_ps(a, b); }
+  static float reduce_max(V a) { return _mm512_reduce_max_ps(a); }
+  // e^x, about 1 ulp: x = n ln2 + f with |f| <= ln2/2, e^f by a degree-7 polynomial, times 2^n.
+  // Below -87.3 (e^x under FLT_MIN, and -inf) gives exactly 0; a nan stays a nan.
+  static V exp(V x) {
+    const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(kExpLow), _CMP_NLT_UQ);
+    x = _mm512_min_ps(_mm512_set1_ps(kExpHigh), _mm512_max_ps(_mm512_set1_ps(kExpLow), x));
+    const V n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    return _mm512_maskz_scalef_ps(keep, exp_poly(reduce_ln2(x, n)), n);
+  }
+  static V reduce_ln2(V x, V n) {
+    return _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Low), _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2High), x));
+  }
+  static V exp_poly(V f) { return exp_polynomial<Avx512>(f); }
 };
 using Simd = Avx512;
 #elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
@@ -288,6 +321,21 @@ struct Avx2 {
     float s = 0.f;
     for (float t : tmp) s += t;
     return s;
+  }
+  static V max(V a, V b) { return _mm256_max_ps(a, b); }
+  static float reduce_max(V a) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+  }
+  static V exp(V x) {  // as Avx512::exp; 2^n built in the exponent field (n in [-126, 127])
+    const V keep = _mm256_cmp_ps(x, _mm256_set1_ps(kExpLow), _CMP_NLT_UQ);
+    x = _mm256_min_ps(_mm256_set1_ps(kExpHigh), _mm256_max_ps(_mm256_set1_ps(kExpLow), x));
+    const V n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const V f = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Low), _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2High), x));
+    const __m256i biased = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
+    const V scale = _mm256_castsi256_ps(_mm256_slli_epi32(biased, 23));
+    return _mm256_and_ps(keep, _mm256_mul_ps(exp_polynomial<Avx2>(f), scale));
   }
 };
 using Simd = Avx2;

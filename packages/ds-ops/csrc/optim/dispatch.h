@@ -10,21 +10,12 @@
 #include <xmmintrin.h>  // _mm_prefetch, also in the scalar (portable) build
 #endif
 
+#include "dtype.h"
 #include "simd.h"
 
 namespace ds {
 
 struct NoOut {};  // "no 16-bit copy of the parameters"
-
-template <class F>
-void with_dtype(int code, const char* what, F&& f) {
-  switch (code) {
-    case kF32: f(static_cast<float*>(nullptr)); break;
-    case kF16: f(static_cast<f16*>(nullptr)); break;
-    case kBF16: f(static_cast<bf16*>(nullptr)); break;
-    default: throw std::invalid_argument(std::string(what) + ": unknown dtype code " + std::to_string(code));
-  }
-}
 
 template <class F>
 void with_state_dtype(int code, F&& f) {
@@ -54,12 +45,6 @@ inline void prefetch(const T*... addresses) {
   (_mm_prefetch(reinterpret_cast<const char*>(addresses), _MM_HINT_T0), ...);
 #endif
 }
-
-template <class Tag>
-using Elem = std::remove_pointer_t<Tag>;
-
-template <class T>
-T* as_ptr(int64_t address) { return reinterpret_cast<T*>(static_cast<uintptr_t>(address)); }
 
 // Store a state vector: bf16 states round stochastically with the given 16-bit noise.
 template <class B, class S>

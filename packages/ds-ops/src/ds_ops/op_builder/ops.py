@@ -45,6 +45,17 @@ class CPULambBuilder(_CpuOptimizerBuilder):
     KERNEL = "lamb.cpp"
 
 
+class SparseAttentionBuilder(OpBuilder):
+    NAME = "sparse_attn"
+    DESCRIPTION = "block-sparse attention on CPU (SDD, softmax, DSD; forward and backward): SparseSelfAttention"
+
+    def sources(self) -> list[Path]:
+        return [csrc_root() / "sparse_attention" / name for name in ("attention.cpp", "module.cpp")]
+
+    def include_dirs(self) -> list[Path]:
+        return [csrc_root() / "common", csrc_root() / "sparse_attention"]
+
+
 BUILDERS: dict[str, type[OpBuilder]] = {
-    b.NAME: b for b in (CPUAdamBuilder, CPUAdagradBuilder, CPULionBuilder, CPULambBuilder)
+    b.NAME: b for b in (CPUAdamBuilder, CPUAdagradBuilder, CPULionBuilder, CPULambBuilder, SparseAttentionBuilder)
 }

@@ -1,10 +1,23 @@
-"""Block-sparse attention of ds-ops (the ``sparse_attention`` config section).
+"""Block-sparse attention of ds-ops (DeepSpeed's ``deepspeed.ops.sparse_attention``).
 
-Layouts so far: `DenseSparsityConfig`, `FixedSparsityConfig`, `VariableSparsityConfig`,
-`BigBirdSparsityConfig`, `BSLongformerSparsityConfig` and `SparseAttentionConfig`. The kernels
-(SDD, softmax, DSD) and `SparseSelfAttention` are still to come.
+    from ds_ops.sparse_attention import SparseSelfAttention, BigBirdSparsityConfig
+    attention = SparseSelfAttention(BigBirdSparsityConfig(num_heads=8), max_seq_length=4096)
+    out = attention(q, k, v)          # [batch, heads, seq, head_dim], only the layout's blocks
+
+Layouts: `DenseSparsityConfig`, `FixedSparsityConfig`, `VariableSparsityConfig`,
+`BigBirdSparsityConfig`, `BSLongformerSparsityConfig`; `SparseAttentionConfig` is the
+``sparse_attention`` config section and makes the right one. The kernels (SDD, softmax, DSD,
+forward and backward) are C++ built by the op builder (op ``sparse_attn``).
 """
 
+from .attention import (
+    BertSparseSelfAttention,
+    BlockLayout,
+    SparseAttentionUtils,
+    SparseSelfAttention,
+    pad_to_block_size,
+    unpad,
+)
 from .config import SparseAttentionConfig
 from .sparsity_config import (
     BigBirdSparsityConfig,
@@ -15,5 +28,6 @@ from .sparsity_config import (
     VariableSparsityConfig,
 )
 
-__all__ = ["BSLongformerSparsityConfig", "BigBirdSparsityConfig", "DenseSparsityConfig", "FixedSparsityConfig",
-           "SparseAttentionConfig", "SparsityConfig", "VariableSparsityConfig"]
+__all__ = ["BSLongformerSparsityConfig", "BertSparseSelfAttention", "BigBirdSparsityConfig", "BlockLayout",
+           "DenseSparsityConfig", "FixedSparsityConfig", "SparseAttentionConfig", "SparseAttentionUtils",
+           "SparseSelfAttention", "SparsityConfig", "VariableSparsityConfig", "pad_to_block_size", "unpad"]
