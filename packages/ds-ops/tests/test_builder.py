@@ -182,6 +182,6 @@ def test_ds_report_lists_every_op():
                          check=True).stdout
     for line in ("python", "torch", "compiler", "ninja", "SIMD", "op cache"):
         assert any(row.startswith(line) for row in out.splitlines()), line
-    for op in ("cpu_adam", "cpu_adagrad", "cpu_lion", "cpu_lamb"):
+    for op in ("cpu_adam", "cpu_adagrad", "cpu_lion", "cpu_lamb", "sparse_attn"):
         (row,) = [r for r in out.splitlines() if r.startswith(op + " ")]
         assert row.split()[1] == "yes", row

@@ -8,7 +8,14 @@ native/avx512/avx2/scalar, and ``DS_BUILD_OPS=1`` at ``pip install`` builds ever
 """
 
 from .builder import OpBuilder, csrc_root
-from .ops import BUILDERS, CPUAdagradBuilder, CPUAdamBuilder, CPULambBuilder, CPULionBuilder, SparseAttentionBuilder
+from .ops import (
+    BUILDERS,
+    CPUAdagradBuilder,
+    CPUAdamBuilder,
+    CPULambBuilder,
+    CPULionBuilder,
+    SparseAttentionBuilder,
+)
 from .system import OpBuildError, cache_root
 
 __all__ = [

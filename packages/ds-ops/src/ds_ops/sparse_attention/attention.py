@@ -314,6 +314,8 @@ def unpad(pad_len: int, sequence_output: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"pad_len must be an integer >= 0, got {pad_len!r}")
     if pad_len > sequence_output.shape[1]:
         raise ValueError(f"pad_len {pad_len} exceeds the sequence length {sequence_output.shape[1]}")
+    if pad_len == 0:
+        return sequence_output
     return sequence_output[:, : sequence_output.shape[1] - pad_len]
 
 
