@@ -22,31 +22,70 @@ namespace {
 using B = Simd;
 using V = B::V;
 constexpr int64_t W = B::W;
-constexpr int64_t kRows = 8;  // rows of one register tile
 constexpr int64_t kMaxBlock = 128;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
-// O[m][n] = (accumulate ? O[m][n] : 0) + sum_k A(m, k) X[k][n], A(m, k) = A[m * a_rs + k * a_cs],
-// for m < M (a multiple of kRows), n < N (a multiple of W), k < K. Register tiles of kRows x W:
-// each vector of X loaded feeds kRows independent fused multiply-adds.
-void matmul(int64_t M, int64_t N, int64_t K, const float* A, int64_t a_rs, int64_t a_cs, const float* X,
-            int64_t ldx, float* O, int64_t ldo, bool accumulate) {
-  for (int64_t n0 = 0; n0 < N; n0 += W) {
-    for (int64_t m0 = 0; m0 < M; m0 += kRows) {
-      V acc[kRows];
-      for (int64_t i = 0; i < kRows; ++i) acc[i] = accumulate ? B::load(O + (m0 + i) * ldo + n0) : B::set1(0.f);
-      const float* a = A + m0 * a_rs;
-      const float* x = X + n0;
-      for (int64_t k = 0; k < K; ++k, a += a_cs, x += ldx) {
-        const V xv = B::load(x);
-#pragma GCC unroll 8
-        for (int64_t i = 0; i < kRows; ++i) acc[i] = B::fmadd(B::set1(a[i * a_rs]), xv, acc[i]);
-      }
-      for (int64_t i = 0; i < kRows; ++i) B::store(O + (m0 + i) * ldo + n0, acc[i]);
+// One register tile of matmul: R rows x C vectors of O; each vector of X loaded feeds R fused
+// multiply-adds whose A operand is a broadcast from memory. ARS is A's row stride when known at
+// compile time (then the R addresses are constant offsets, not R registers), 0 when it is not.
+template <int R, int C, int64_t ARS>
+inline void matmul_tile(int64_t K, const float* A, int64_t a_rs, int64_t a_cs, const float* X, int64_t ldx, float* O,
+                        int64_t ldo, bool accumulate) {
+  const int64_t rs = ARS ? ARS : a_rs;
+  V acc[R][C];
+  for (int i = 0; i < R; ++i)
+    for (int c = 0; c < C; ++c) acc[i][c] = accumulate ? B::load(O + i * ldo + c * W) : B::set1(0.f);
+  for (int64_t k = 0; k < K; ++k, A += a_cs, X += ldx) {
+    V x[C];
+    for (int c = 0; c < C; ++c) x[c] = B::load(X + c * W);
+#pragma GCC unroll 16
+    for (int i = 0; i < R; ++i) {
+      const V a = B::set1(A[i * rs]);
+      for (int c = 0; c < C; ++c) acc[i][c] = B::fmadd(a, x[c], acc[i][c]);
     }
   }
+  for (int i = 0; i < R; ++i)
+    for (int c = 0; c < C; ++c) B::store(O + i * ldo + c * W, acc[i][c]);
+}
+
+template <int64_t ARS>
+void matmul_tiles(int64_t M, int64_t N, int64_t K, const float* A, int64_t a_rs, int64_t a_cs, const float* X,
+                  int64_t ldx, float* O, int64_t ldo, bool accumulate) {
+  constexpr bool kWide = W == 16;  // AVX-512: 32 registers, room for 16 accumulators
+  int64_t n0 = 0;
+  if constexpr (kWide) {
+    for (; n0 + 2 * W <= N; n0 += 2 * W)
+      for (int64_t m0 = 0; m0 < M; m0 += 8)
+        matmul_tile<8, 2, ARS>(K, A + m0 * a_rs, a_rs, a_cs, X + n0, ldx, O + m0 * ldo + n0, ldo, accumulate);
+  }
+  for (; n0 < N; n0 += W)
+    for (int64_t m0 = 0; m0 < M; m0 += (kWide ? 16 : 8)) {
+      if constexpr (kWide) matmul_tile<16, 1, ARS>(K, A + m0 * a_rs, a_rs, a_cs, X + n0, ldx, O + m0 * ldo + n0, ldo, accumulate);
+      else matmul_tile<8, 1, ARS>(K, A + m0 * a_rs, a_rs, a_cs, X + n0, ldx, O + m0 * ldo + n0, ldo, accumulate);
+    }
+}
+
+// O[m][n] = (accumulate ? O[m][n] : 0) + sum_k A(m, k) X[k][n], A(m, k) = A[m * a_rs + k * a_cs],
+// for m < M (a multiple of 16), n < N (a multiple of W), k < K. Every A here has a row stride of
+// 1 or the block, so those get their own compiled tiles.
+void matmul(int64_t M, int64_t N, int64_t K, const float* A, int64_t a_rs, int64_t a_cs, const float* X,
+            int64_t ldx, float* O, int64_t ldo, bool accumulate) {
+  switch (a_rs) {
+    case 1: return matmul_tiles<1>(M, N, K, A, a_rs, a_cs, X, ldx, O, ldo, accumulate);
+    case 16: return matmul_tiles<16>(M, N, K, A, a_rs, a_cs, X, ldx, O, ldo, accumulate);
+    case 32: return matmul_tiles<32>(M, N, K, A, a_rs, a_cs, X, ldx, O, ldo, accumulate);
+    case 64: return matmul_tiles<64>(M, N, K, A, a_rs, a_cs, X, ldx, O, ldo, accumulate);
+    case 128: return matmul_tiles<128>(M, N, K, A, a_rs, a_cs, X, ldx, O, ldo, accumulate);
+    default: return matmul_tiles<0>(M, N, K, A, a_rs, a_cs, X, ldx, O, ldo, accumulate);
+  }
+}
+
+// rows [blk][D] of float32 -> [D][blk]
+void transpose(const float* src, int64_t rows, int64_t cols, float* dst) {
+  for (int64_t k = 0; k < cols; ++k)
+    for (int64_t r = 0; r < rows; ++r) dst[k * rows + r] = src[r * cols + k];
 }
 
 // dst[0, padded) = mult * src[0, D) as float32, zeros after D.
@@ -107,8 +146,7 @@ void load_block(const Rows<const T>& src, int64_t j, const Dims& d, int64_t padd
 template <class T>
 void load_block_transposed(const Rows<const T>& src, int64_t j, const Dims& d, float* dst, float* tmp) {
   load_block(src, j, d, d.D, tmp);
-  for (int64_t k = 0; k < d.D; ++k)
-    for (int64_t r = 0; r < d.blk; ++r) dst[k * d.blk + r] = tmp[r * d.D + k];
+  transpose(tmp, d.blk, d.D, dst);
 }
 
 void mask_causal(float* block, int64_t blk, bool whole) {
@@ -117,7 +155,7 @@ void mask_causal(float* block, int64_t blk, bool whole) {
 }
 
 // Softmax along every row of one block row: `count` blocks of scores at P (keys `cols`), masks
-// added first. A row that is masked everywhere gets probabilities 0 (not nan).
+// added first. A row that is masked everywhere gets probabilities 0 (not nan). `vec`: 2 * blk vectors.
 void softmax_block_row(float* P, int64_t count, const int32_t* cols, int64_t blk, const float* key_padding,
                        const float* bias_rows, int64_t bias_ss, V* vec) {
   const int64_t bb = blk * blk;
@@ -141,20 +179,21 @@ void softmax_block_row(float* P, int64_t count, const int32_t* cols, int64_t blk
     const float m = B::reduce_max(vec[r]);
     vec[r] = B::set1(m == kNegInf ? 0.f : m);
   }
-  float inv[kMaxBlock];
-  for (int64_t r = 0; r < blk; ++r) inv[r] = 0.f;
+  V* sums = vec + blk;
+  for (int64_t r = 0; r < blk; ++r) sums[r] = B::set1(0.f);
   for (int64_t e = 0; e < count; ++e)
     for (int64_t r = 0; r < blk; ++r) {
       float* p = P + e * bb + r * blk;
-      V sum = B::set1(0.f);
       for (int64_t c = 0; c < blk; c += W) {
         const V x = B::exp(B::sub(B::load(p + c), vec[r]));
         B::store(p + c, x);
-        sum = B::add(sum, x);
+        sums[r] = B::add(sums[r], x);
       }
-      inv[r] += B::sum(sum);
     }
-  for (int64_t r = 0; r < blk; ++r) vec[r] = B::set1(inv[r] > 0.f ? 1.f / inv[r] : 0.f);
+  for (int64_t r = 0; r < blk; ++r) {
+    const float total = B::sum(sums[r]);
+    vec[r] = B::set1(total > 0.f ? 1.f / total : 0.f);
+  }
   for (int64_t e = 0; e < count; ++e)
     for (int64_t r = 0; r < blk; ++r) {
       float* p = P + e * bb + r * blk;
@@ -172,7 +211,7 @@ void forward(const Dense& qd, const Dense& kd, const Dense& vd, const Dense& od,
   {
     std::vector<float> qs(d.blk * d.D), acc(d.blk * d.Dp), tmp(d.blk * d.D);
     std::vector<float> local(probs ? 0 : L.max_row * d.bb);
-    std::vector<V> vec(d.blk);
+    std::vector<V> vec(2 * d.blk);  // the softmax's row maxima and sums
     for (int64_t bh = 0; bh < d.batch * d.heads; ++bh) {
       const int64_t b = bh / d.heads, h = bh % d.heads;
       const auto Q = rows_of<const T>(qd, b, h), K = rows_of<const T>(kd, b, h), Vr = rows_of<const T>(vd, b, h);
@@ -187,14 +226,15 @@ void forward(const Dense& qd, const Dense& kd, const Dense& vd, const Dense& od,
         const int64_t n0 = L.row_begin(h, i), count = L.row_begin(h, i + 1) - n0;
         const int32_t* cols = L.col_idx + n0;
         float* P = probs ? probs + (b * L.nnz + n0) * d.bb : local.data();
-        for (int64_t r = 0; r < d.blk; ++r) load_row(Q.row(i * d.blk + r), d.D, d.D, scale, qs.data() + r * d.D);
+        for (int64_t r = 0; r < d.blk; ++r) load_row(Q.row(i * d.blk + r), d.D, d.D, scale, tmp.data() + r * d.D);
+        transpose(tmp.data(), d.blk, d.D, qs.data());  // [D][blk]: A of the scores with row stride 1
         for (int64_t e = 0; e < count; ++e) {
           const int64_t j = cols[e];
           if (causal && j > i) {
             mask_causal(P + e * d.bb, d.blk, true);
             continue;
           }
-          matmul(d.blk, d.blk, d.D, qs.data(), d.D, 1, kt.data() + j * d.D * d.blk, d.blk, P + e * d.bb, d.blk, false);
+          matmul(d.blk, d.blk, d.D, qs.data(), 1, d.blk, kt.data() + j * d.D * d.blk, d.blk, P + e * d.bb, d.blk, false);
           if (causal && j == i) mask_causal(P + e * d.bb, d.blk, false);
         }
         const float* bias_rows = bias ? bias + h * masks[3] + i * d.blk * masks[4] : nullptr;
@@ -231,7 +271,7 @@ void backward(const Dense& qd, const Dense& kd, const Dense& vd, const Dense& do
   std::vector<float> vt(d.seq * d.D), kf(d.seq * d.Dp), qf(d.seq * d.Dp), dof(d.seq * d.Dp);
 #pragma omp parallel num_threads(num_threads)
   {
-    std::vector<float> acc(d.blk * d.Dp), tmp(d.blk * d.D), dp(L.max_row * d.bb);
+    std::vector<float> acc(d.blk * d.Dp), tmp(d.blk * d.Dp), dp(L.max_row * d.bb);
     std::vector<V> vec(d.blk);
     for (int64_t bh = 0; bh < d.batch * d.heads; ++bh) {
       const int64_t b = bh / d.heads, h = bh % d.heads;
@@ -250,10 +290,10 @@ void backward(const Dense& qd, const Dense& kd, const Dense& vd, const Dense& do
         const int32_t* cols = L.col_idx + n0;
         float* P = probs + (b * L.nnz + n0) * d.bb;
         for (int64_t r = 0; r < d.blk; ++r) vec[r] = B::set1(0.f);
+        transpose(dof.data() + i * d.blk * d.Dp, d.blk, d.Dp, tmp.data());  // dO_i^T [Dp][blk]
         for (int64_t e = 0; e < count; ++e) {  // dP = dO V^T, and rowsum(P * dP)
           float* dpn = dp.data() + e * d.bb;
-          matmul(d.blk, d.blk, d.D, dof.data() + i * d.blk * d.Dp, d.Dp, 1, vt.data() + cols[e] * d.D * d.blk, d.blk,
-                 dpn, d.blk, false);
+          matmul(d.blk, d.blk, d.D, tmp.data(), 1, d.blk, vt.data() + cols[e] * d.D * d.blk, d.blk, dpn, d.blk, false);
           for (int64_t r = 0; r < d.blk; ++r)
             for (int64_t c = 0; c < d.blk; c += W)
               vec[r] = B::fmadd(B::load(P + e * d.bb + r * d.blk + c), B::load(dpn + r * d.blk + c), vec[r]);

@@ -81,11 +81,11 @@ def _rows_contiguous(t: torch.Tensor) -> torch.Tensor:
 
 class _BlockSparseAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, layout: BlockLayout, key_padding, bias, scale: float, causal: bool):
+    def forward(ctx, q, k, v, layout: BlockLayout, key_padding, bias, scale: float, causal: bool, training: bool):
         batch, heads, seq, head_dim = q.shape
         shape = (batch, heads, seq, head_dim, layout.block)
         out = torch.empty(q.shape, dtype=q.dtype)
-        needs_grad = any(ctx.needs_input_grad[:3])
+        needs_grad = training and any(ctx.needs_input_grad[:3])  # else P lives in per-thread row buffers
         probs = torch.empty((batch, layout.nnz, layout.block, layout.block)) if needs_grad else None
         masks = (0 if key_padding is None else key_padding.data_ptr(), 0 if key_padding is None else key_padding.stride(0),
                  0 if bias is None else bias.data_ptr(), 0 if bias is None or bias.shape[0] == 1 else bias.stride(0),
@@ -110,7 +110,7 @@ class _BlockSparseAttention(torch.autograd.Function):
                            _DTYPE_CODES[q.dtype], torch.get_num_threads())
         # the probabilities now hold dS: a second backward through this graph must fail, not be wrong
         torch.autograd.graph.increment_version(probs)
-        return (*grads, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None)
 
 
 def _additive(mask: torch.Tensor, mode: str, name: str) -> torch.Tensor:
@@ -225,12 +225,13 @@ class SparseSelfAttention(torch.nn.Module):
         if causal is None:
             causal = getattr(self.sparsity_config, "attention", "bidirectional") == "unidirectional"
         scale = float(head_dim) ** -0.5 if scale is None else float(scale)
+        training = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
         if not math.isfinite(scale):
             raise ValueError(f"scale must be a finite number, got {scale}")
         return _BlockSparseAttention.apply(
             _rows_contiguous(query), _rows_contiguous(key), _rows_contiguous(value), layout,
             self._key_padding(key_padding_mask, batch, seq), self._bias(rpe, attn_mask, heads, seq), scale,
-            bool(causal))
+            bool(causal), training)
 
 
 class BertSparseSelfAttention(torch.nn.Module):
