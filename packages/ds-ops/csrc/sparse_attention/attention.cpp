@@ -8,7 +8,10 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <array>
+#include <type_traits>
 #include <limits>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -26,6 +29,15 @@ constexpr int64_t kMaxBlock = 128;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// Scratch of the calling thread, kept between calls: the per-(batch, head) copies are megabytes at
+// long sequences, and fresh allocations that size page-fault on every call.
+float* cached_scratch(size_t slot, int64_t n) {
+  thread_local std::array<std::vector<float>, 4> buffers;
+  std::vector<float>& buffer = buffers.at(slot);
+  if (static_cast<int64_t>(buffer.size()) < n) buffer.resize(static_cast<size_t>(n));
+  return buffer.data();
+}
 
 // One register tile of matmul: R rows x C vectors of O; each vector of X loaded feeds R fused
 // multiply-adds whose A operand is a broadcast from memory. ARS is A's row stride when known at
@@ -82,10 +94,10 @@ void matmul(int64_t M, int64_t N, int64_t K, const float* A, int64_t a_rs, int64
   }
 }
 
-// rows [blk][D] of float32 -> [D][blk]
-void transpose(const float* src, int64_t rows, int64_t cols, float* dst) {
+// rows x cols of float32 (row stride src_ld) -> cols x rows
+void transpose(const float* src, int64_t rows, int64_t cols, int64_t src_ld, float* dst) {
   for (int64_t k = 0; k < cols; ++k)
-    for (int64_t r = 0; r < rows; ++r) dst[k * rows + r] = src[r * cols + k];
+    for (int64_t r = 0; r < rows; ++r) dst[k * rows + r] = src[r * src_ld + k];
 }
 
 // dst[0, padded) = mult * src[0, D) as float32, zeros after D.
@@ -146,7 +158,24 @@ void load_block(const Rows<const T>& src, int64_t j, const Dims& d, int64_t padd
 template <class T>
 void load_block_transposed(const Rows<const T>& src, int64_t j, const Dims& d, float* dst, float* tmp) {
   load_block(src, j, d, d.D, tmp);
-  transpose(tmp, d.blk, d.D, dst);
+  transpose(tmp, d.blk, d.D, d.D, dst);
+}
+
+// float32 rows of one (batch, head), the X operands of the products: the input itself when it is
+// float32 with head_dim a multiple of the vector width, else a widened, zero-padded copy.
+struct F32Rows {
+  const float* base;
+  int64_t ld;
+  const float* block(int64_t j, int64_t blk) const { return base + j * blk * ld; }
+};
+
+template <class T>
+bool used_directly(const Dims& d) { return std::is_same_v<T, float> && d.D == d.Dp; }
+
+template <class T>
+F32Rows f32_rows(const Dense& t, int64_t b, int64_t h, const Dims& d, const float* copy) {
+  if (used_directly<T>(d)) return {as_ptr<const float>(t[0]) + b * t[1] + h * t[2], t[3]};
+  return {copy, d.Dp};
 }
 
 void mask_causal(float* block, int64_t blk, bool whole) {
@@ -204,7 +233,8 @@ void softmax_block_row(float* P, int64_t count, const int32_t* cols, int64_t blk
 template <class T>
 void forward(const Dense& qd, const Dense& kd, const Dense& vd, const Dense& od, float* probs, const Dims& d,
              const Blocks& L, const Masks& masks, float scale, bool causal, int num_threads) {
-  std::vector<float> kt(d.seq * d.D), vf(d.seq * d.Dp);  // K^T by block [nb][D][blk], V [seq][Dp]
+  float* kt = cached_scratch(0, d.seq * d.D);  // K^T by block [nb][D][blk]
+  float* vf = used_directly<T>(d) ? nullptr : cached_scratch(1, d.seq * d.Dp);
   const float* key_padding = as_ptr<const float>(masks[0]);
   const float* bias = as_ptr<const float>(masks[2]);
 #pragma omp parallel num_threads(num_threads)
@@ -216,10 +246,11 @@ void forward(const Dense& qd, const Dense& kd, const Dense& vd, const Dense& od,
       const int64_t b = bh / d.heads, h = bh % d.heads;
       const auto Q = rows_of<const T>(qd, b, h), K = rows_of<const T>(kd, b, h), Vr = rows_of<const T>(vd, b, h);
       const auto O = rows_of<T>(od, b, h);
+      const F32Rows Vf = f32_rows<T>(vd, b, h, d, vf);
 #pragma omp for schedule(static)
       for (int64_t j = 0; j < d.nb; ++j) {
-        load_block_transposed(K, j, d, kt.data() + j * d.D * d.blk, tmp.data());
-        load_block(Vr, j, d, d.Dp, vf.data() + j * d.blk * d.Dp);
+        load_block_transposed(K, j, d, kt + j * d.D * d.blk, tmp.data());
+        if (vf) load_block(Vr, j, d, d.Dp, vf + j * d.blk * d.Dp);
       }
 #pragma omp for schedule(dynamic, 1)
       for (int64_t i = 0; i < d.nb; ++i) {
@@ -227,14 +258,14 @@ void forward(const Dense& qd, const Dense& kd, const Dense& vd, const Dense& od,
         const int32_t* cols = L.col_idx + n0;
         float* P = probs ? probs + (b * L.nnz + n0) * d.bb : local.data();
         for (int64_t r = 0; r < d.blk; ++r) load_row(Q.row(i * d.blk + r), d.D, d.D, scale, tmp.data() + r * d.D);
-        transpose(tmp.data(), d.blk, d.D, qs.data());  // [D][blk]: A of the scores with row stride 1
+        transpose(tmp.data(), d.blk, d.D, d.D, qs.data());  // [D][blk]: A of the scores with row stride 1
         for (int64_t e = 0; e < count; ++e) {
           const int64_t j = cols[e];
           if (causal && j > i) {
             mask_causal(P + e * d.bb, d.blk, true);
             continue;
           }
-          matmul(d.blk, d.blk, d.D, qs.data(), 1, d.blk, kt.data() + j * d.D * d.blk, d.blk, P + e * d.bb, d.blk, false);
+          matmul(d.blk, d.blk, d.D, qs.data(), 1, d.blk, kt + j * d.D * d.blk, d.blk, P + e * d.bb, d.blk, false);
           if (causal && j == i) mask_causal(P + e * d.bb, d.blk, false);
         }
         const float* bias_rows = bias ? bias + h * masks[3] + i * d.blk * masks[4] : nullptr;
@@ -242,8 +273,7 @@ void forward(const Dense& qd, const Dense& kd, const Dense& vd, const Dense& od,
                           masks[4], vec.data());
         std::fill(acc.begin(), acc.end(), 0.f);
         for (int64_t e = 0; e < count; ++e)
-          matmul(d.blk, d.Dp, d.blk, P + e * d.bb, d.blk, 1, vf.data() + cols[e] * d.blk * d.Dp, d.Dp, acc.data(),
-                 d.Dp, true);
+          matmul(d.blk, d.Dp, d.blk, P + e * d.bb, d.blk, 1, Vf.block(cols[e], d.blk), Vf.ld, acc.data(), d.Dp, true);
         for (int64_t r = 0; r < d.blk; ++r) store_row(acc.data() + r * d.Dp, d.D, O.row(i * d.blk + r));
       }
     }
@@ -252,13 +282,13 @@ void forward(const Dense& qd, const Dense& kd, const Dense& vd, const Dense& od,
 
 // out_j = sum over the blocks n = (i, j) of key block j: A_n^T X_i (A = P or dS, X = dO or Q).
 template <class T>
-void by_key_block(const float* A, const float* X, const Rows<T>& out, int64_t b, int64_t h, int64_t j,
+void by_key_block(const float* A, const F32Rows& X, const Rows<T>& out, int64_t b, int64_t h, int64_t j,
                   const Dims& d, const Blocks& L, float* acc) {
   const int64_t e0 = L.col_begin(h, j), e1 = L.col_begin(h, j + 1);
   std::fill(acc, acc + d.blk * d.Dp, 0.f);
   for (int64_t e = e0; e < e1; ++e) {
     const float* An = A + (b * L.nnz + L.csc_nnz[e]) * d.bb;
-    matmul(d.blk, d.Dp, d.blk, An, 1, d.blk, X + L.csc_row[e] * d.blk * d.Dp, d.Dp, acc, d.Dp, true);
+    matmul(d.blk, d.Dp, d.blk, An, 1, d.blk, X.block(L.csc_row[e], d.blk), X.ld, acc, d.Dp, true);
   }
   for (int64_t r = 0; r < d.blk; ++r) store_row(acc + r * d.Dp, d.D, out.row(j * d.blk + r));
 }
@@ -268,7 +298,14 @@ void backward(const Dense& qd, const Dense& kd, const Dense& vd, const Dense& do
               const Dense& dkd, const Dense& dvd, float* probs, const Dims& d, const Blocks& L, float scale,
               int num_threads) {
   // float32 copies of one (batch, head): V^T by block, K, Q, dO ([seq][Dp])
-  std::vector<float> vt(d.seq * d.D), kf(d.seq * d.Dp), qf(d.seq * d.Dp), dof(d.seq * d.Dp);
+  const bool copy = !used_directly<T>(d);
+  float* vt = cached_scratch(0, d.seq * d.D);
+  float *kf = nullptr, *qf = nullptr, *dof = nullptr;
+  if (copy) {
+    kf = cached_scratch(1, d.seq * d.Dp);
+    qf = cached_scratch(2, d.seq * d.Dp);
+    dof = cached_scratch(3, d.seq * d.Dp);
+  }
 #pragma omp parallel num_threads(num_threads)
   {
     std::vector<float> acc(d.blk * d.Dp), tmp(d.blk * d.Dp), dp(L.max_row * d.bb);
@@ -277,23 +314,26 @@ void backward(const Dense& qd, const Dense& kd, const Dense& vd, const Dense& do
       const int64_t b = bh / d.heads, h = bh % d.heads;
 #pragma omp for schedule(static)
       for (int64_t j = 0; j < d.nb; ++j) {
-        load_block_transposed(rows_of<const T>(vd, b, h), j, d, vt.data() + j * d.D * d.blk, tmp.data());
-        load_block(rows_of<const T>(kd, b, h), j, d, d.Dp, kf.data() + j * d.blk * d.Dp);
-        load_block(rows_of<const T>(qd, b, h), j, d, d.Dp, qf.data() + j * d.blk * d.Dp);
-        load_block(rows_of<const T>(dod, b, h), j, d, d.Dp, dof.data() + j * d.blk * d.Dp);
+        load_block_transposed(rows_of<const T>(vd, b, h), j, d, vt + j * d.D * d.blk, tmp.data());
+        if (!copy) continue;
+        load_block(rows_of<const T>(kd, b, h), j, d, d.Dp, kf + j * d.blk * d.Dp);
+        load_block(rows_of<const T>(qd, b, h), j, d, d.Dp, qf + j * d.blk * d.Dp);
+        load_block(rows_of<const T>(dod, b, h), j, d, d.Dp, dof + j * d.blk * d.Dp);
       }
+      const F32Rows Kf = f32_rows<T>(kd, b, h, d, kf), Qf = f32_rows<T>(qd, b, h, d, qf),
+                    dOf = f32_rows<T>(dod, b, h, d, dof);
 #pragma omp for schedule(dynamic, 1)
-      for (int64_t j = 0; j < d.nb; ++j) by_key_block(probs, dof.data(), rows_of<T>(dvd, b, h), b, h, j, d, L, acc.data());
+      for (int64_t j = 0; j < d.nb; ++j) by_key_block(probs, dOf, rows_of<T>(dvd, b, h), b, h, j, d, L, acc.data());
 #pragma omp for schedule(dynamic, 1)
       for (int64_t i = 0; i < d.nb; ++i) {
         const int64_t n0 = L.row_begin(h, i), count = L.row_begin(h, i + 1) - n0;
         const int32_t* cols = L.col_idx + n0;
         float* P = probs + (b * L.nnz + n0) * d.bb;
         for (int64_t r = 0; r < d.blk; ++r) vec[r] = B::set1(0.f);
-        transpose(dof.data() + i * d.blk * d.Dp, d.blk, d.Dp, tmp.data());  // dO_i^T [Dp][blk]
+        transpose(dOf.block(i, d.blk), d.blk, d.D, dOf.ld, tmp.data());  // dO_i^T [D][blk]
         for (int64_t e = 0; e < count; ++e) {  // dP = dO V^T, and rowsum(P * dP)
           float* dpn = dp.data() + e * d.bb;
-          matmul(d.blk, d.blk, d.D, tmp.data(), 1, d.blk, vt.data() + cols[e] * d.D * d.blk, d.blk, dpn, d.blk, false);
+          matmul(d.blk, d.blk, d.D, tmp.data(), 1, d.blk, vt + cols[e] * d.D * d.blk, d.blk, dpn, d.blk, false);
           for (int64_t r = 0; r < d.blk; ++r)
             for (int64_t c = 0; c < d.blk; c += W)
               vec[r] = B::fmadd(B::load(P + e * d.bb + r * d.blk + c), B::load(dpn + r * d.blk + c), vec[r]);
@@ -309,13 +349,12 @@ void backward(const Dense& qd, const Dense& kd, const Dense& vd, const Dense& do
           }
         std::fill(acc.begin(), acc.end(), 0.f);
         for (int64_t e = 0; e < count; ++e)
-          matmul(d.blk, d.Dp, d.blk, P + e * d.bb, d.blk, 1, kf.data() + cols[e] * d.blk * d.Dp, d.Dp, acc.data(),
-                 d.Dp, true);
+          matmul(d.blk, d.Dp, d.blk, P + e * d.bb, d.blk, 1, Kf.block(cols[e], d.blk), Kf.ld, acc.data(), d.Dp, true);
         const auto dQ = rows_of<T>(dqd, b, h);
         for (int64_t r = 0; r < d.blk; ++r) store_row(acc.data() + r * d.Dp, d.D, dQ.row(i * d.blk + r));
       }
 #pragma omp for schedule(dynamic, 1)
-      for (int64_t j = 0; j < d.nb; ++j) by_key_block(probs, qf.data(), rows_of<T>(dkd, b, h), b, h, j, d, L, acc.data());
+      for (int64_t j = 0; j < d.nb; ++j) by_key_block(probs, Qf, rows_of<T>(dkd, b, h), b, h, j, d, L, acc.data());
     }
   }
 }
