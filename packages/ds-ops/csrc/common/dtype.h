@@ -26,12 +26,4 @@ using Elem = std::remove_pointer_t<Tag>;
 template <class T>
 T* as_ptr(int64_t address) { return reinterpret_cast<T*>(static_cast<uintptr_t>(address)); }
 
-// One element to and from float32 (16-bit types round to nearest even).
-inline float load_float(const float* p) { return *p; }
-inline float load_float(const f16* p) { return to_float(*p); }
-inline float load_float(const bf16* p) { return to_float(*p); }
-inline void store_float(float* p, float x) { *p = x; }
-inline void store_float(f16* p, float x) { *p = to_f16(x); }
-inline void store_float(bf16* p, float x) { *p = to_bf16_nearest(x); }
-
 }  // namespace ds

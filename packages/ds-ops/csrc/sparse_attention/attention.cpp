@@ -106,7 +106,7 @@ void load_row(const T* src, int64_t D, int64_t padded, float mult, float* dst) {
   const V m = B::set1(mult);
   int64_t d = 0;
   for (; d + W <= D; d += W) B::store(dst + d, B::mul(B::load(src + d), m));
-  for (; d < D; ++d) dst[d] = load_float(src + d) * mult;
+  for (; d < D; ++d) dst[d] = Scalar::load(src + d) * mult;
   for (; d < padded; ++d) dst[d] = 0.f;
 }
 
@@ -114,7 +114,7 @@ template <class T>
 void store_row(const float* src, int64_t D, T* dst) {
   int64_t d = 0;
   for (; d + W <= D; d += W) B::store(dst + d, B::load(src + d));
-  for (; d < D; ++d) store_float(dst + d, src[d]);
+  for (; d < D; ++d) Scalar::store(dst + d, src[d]);
 }
 
 // The rows of one (batch, head) of a Dense tensor.
