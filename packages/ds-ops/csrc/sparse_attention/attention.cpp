@@ -9,11 +9,10 @@
 
 #include <algorithm>
 #include <array>
-#include <type_traits>
 #include <limits>
-#include <memory>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "dtype.h"
