@@ -257,6 +257,21 @@ def test_inference_path_without_saved_probabilities_matches():
     torch.testing.assert_close(plain, module(q, k, v).detach(), rtol=0, atol=0)
 
 
+def test_buffers_stay_float32_under_another_default_dtype():
+    """The kernels read the probabilities and masks as float32 whatever torch's default dtype is."""
+    module = SparseSelfAttention(DenseSparsityConfig(2), key_padding_mask_mode="mul", max_seq_length=32)
+    keep = torch.ones(1, 32)
+    keep[0, 20:] = 0
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        pairs = run_both(module, (1, 2, 32, 16), key_padding_mask=keep,
+                         ref_kwargs={"key_padding": torch.zeros(1, 32).masked_fill(keep == 0, float("-inf"))})
+    finally:
+        torch.set_default_dtype(default)
+    assert_pairs_close(pairs, torch.float32)
+
+
 def test_results_do_not_depend_on_the_thread_count():
     module = SparseSelfAttention(BigBirdSparsityConfig(2), max_seq_length=128)
     results = []

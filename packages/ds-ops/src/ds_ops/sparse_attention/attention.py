@@ -86,7 +86,8 @@ class _BlockSparseAttention(torch.autograd.Function):
         shape = (batch, heads, seq, head_dim, layout.block)
         out = torch.empty(q.shape, dtype=q.dtype)
         needs_grad = training and any(ctx.needs_input_grad[:3])  # else P lives in per-thread row buffers
-        probs = torch.empty((batch, layout.nnz, layout.block, layout.block)) if needs_grad else None
+        probs = (torch.empty((batch, layout.nnz, layout.block, layout.block), dtype=torch.float32)
+                 if needs_grad else None)
         masks = (0 if key_padding is None else key_padding.data_ptr(), 0 if key_padding is None else key_padding.stride(0),
                  0 if bias is None else bias.data_ptr(), 0 if bias is None or bias.shape[0] == 1 else bias.stride(0),
                  0 if bias is None else bias.stride(1))
@@ -116,7 +117,7 @@ class _BlockSparseAttention(torch.autograd.Function):
 def _additive(mask: torch.Tensor, mode: str, name: str) -> torch.Tensor:
     """A mask as float32 to add to the scores: ``add`` as given, ``mul`` 0 -> -inf, else 0."""
     if mode == "mul":
-        return torch.zeros(mask.shape).masked_fill_(mask == 0, float("-inf"))
+        return torch.zeros(mask.shape, dtype=torch.float32).masked_fill_(mask == 0, float("-inf"))
     if mask.dtype == torch.bool:
         raise ValueError(f"{name} is a bool tensor but {name}_mode is 'add' (values added to the scores); "
                          f"build the module with {name}_mode='mul' for a keep/drop mask")
