@@ -4,10 +4,13 @@
 * ``standalone-<pkg>``: a fresh virtualenv with only that package (not editable), its own tests.
 * ``build``: a wheel of every package into ``.nox/wheelhouse``; ``lint``: ruff;
   ``bench``: every ``packages/*/benchmarks/bench_*.py``; ``demo``: the main job.
+* ``wheels``: ``build``, then ds-all installed from the wheelhouse into a fresh virtualenv as a
+  user would, ``python -m ds_all`` and an import of every part.
 
-The README's test command is ``nox -t ci``: ``tests`` plus the standalone sessions of
-``STANDALONE_IN_CI`` and ``lint``; nox's summary gives each session's time. torch is
-pinned in every install (an unpinned torch pulls gigabytes of CUDA wheels).
+The README's test command is ``nox -t ci``: ``tests``, the standalone sessions of
+``STANDALONE_IN_CI``, ``lint``, ``demo`` and ``wheels`` (so that neither README command can break
+unseen); nox's summary gives each session's time. torch is pinned in every install (an unpinned
+torch pulls gigabytes of CUDA wheels).
 """
 
 from __future__ import annotations
@@ -23,10 +26,10 @@ ROOT = Path(__file__).parent
 TORCH = "torch==2.13.0"
 TEST_DEPS = ["pytest>=8", "pytest-timeout>=2.3", "numpy", TORCH]
 # Packages in dependency order (lower layers first): one pip command installs them together.
-PACKAGES = ["ds-ops", "ds-profiler", "ds-launch", "ds-comm", "ds-io", "ds-compress", "ds-zero", "ds-pipe", "ds-all"]
+PACKAGES = ["ds-config", "ds-ops", "ds-profiler", "ds-launch", "ds-comm", "ds-io", "ds-compress", "ds-zero", "ds-pipe", "ds-all"]
 PACKAGES = [p for p in PACKAGES if (ROOT / "packages" / p / "pyproject.toml").exists()]
 # Packages whose issue asks for "installable and testable alone" in the test command.
-STANDALONE_IN_CI = ["ds-launch", "ds-profiler", "ds-ops", "ds-comm", "ds-io", "ds-compress"]
+STANDALONE_IN_CI = ["ds-config", "ds-launch", "ds-profiler", "ds-ops", "ds-comm", "ds-io", "ds-compress"]
 WHEELHOUSE = ROOT / ".nox" / "wheelhouse"
 
 nox.options.error_on_missing_interpreters = True
@@ -134,15 +137,44 @@ def lint(session: nox.Session) -> None:
     session.run("ruff", "check", ".")
 
 
-@nox.session
-def build(session: nox.Session) -> None:
-    """A wheel of every package into .nox/wheelhouse (then: pip install --find-links .nox/wheelhouse ds-all)."""
+def _build_wheels(session: nox.Session) -> None:
     session.install("build>=1.0")
     if WHEELHOUSE.exists():
         shutil.rmtree(WHEELHOUSE)
     for package in PACKAGES:
-        session.run("python", "-m", "build", "--wheel", "--outdir", str(WHEELHOUSE), f"packages/{package}")
+        session.run("python", "-m", "build", "--wheel", "--outdir", str(WHEELHOUSE), f"packages/{package}",
+                    silent=True)
     session.log(f"wheels: {', '.join(sorted(p.name for p in WHEELHOUSE.glob('*.whl')))}")
+
+
+@nox.session
+def build(session: nox.Session) -> None:
+    """A wheel of every package into .nox/wheelhouse (then: pip install --find-links .nox/wheelhouse ds-all)."""
+    _build_wheels(session)
+
+
+# Run by `wheels` in the virtualenv that installed ds-all from the wheelhouse: every part imports
+# from that virtualenv (not from the checkout) at the version of its wheel.
+_CHECK_INSTALLED = """
+import importlib, pathlib, sys, ds_all
+wheels = {w.name.split("-")[0].replace("_", "-"): w.name.split("-")[1] for w in pathlib.Path(sys.argv[1]).glob("*.whl")}
+assert set(ds_all.versions()) == set(wheels), (sorted(ds_all.versions()), sorted(wheels))
+for name, version in ds_all.versions().items():
+    module = importlib.import_module(name.replace("-", "_"))
+    assert version == wheels[name], (name, version, wheels[name])
+    assert pathlib.Path(module.__file__).is_relative_to(sys.prefix), (name, module.__file__, sys.prefix)
+    print(f"{name:<12} {version:<8} imported from {pathlib.Path(module.__file__).parent}")
+"""
+
+
+@nox.session(tags=["ci"])
+def wheels(session: nox.Session) -> None:
+    """Build every wheel, install ds-all from the wheelhouse into this fresh virtualenv as a user
+    would (README), run `python -m ds_all` and import every part from the installed wheels."""
+    _build_wheels(session)
+    session.install(TORCH, "--find-links", str(WHEELHOUSE), "ds-all")
+    session.run("python", "-m", "ds_all")
+    session.run("python", "-c", _CHECK_INSTALLED, str(WHEELHOUSE))
 
 
 @nox.session
@@ -156,9 +188,10 @@ def bench(session: nox.Session) -> None:
         session.run("python", str(script), *session.posargs)
 
 
-@nox.session
+@nox.session(tags=["ci"])
 def demo(session: nox.Session) -> None:
-    """The main job: ds-launch starts 2 ranks that train a tiny model data-parallel on gloo."""
-    session.install(TORCH, "numpy", "packages/ds-launch", "packages/ds-all")
+    """The main job: ds-launch starts 2 ranks that train a tiny model data-parallel through ds-comm on gloo."""
+    # Every package, not editable, as `pip install ds-all` would bring them (ds-all needs them all).
+    session.install(TORCH, *(f"packages/{p}" for p in PACKAGES))
     session.run("ds-launch", "--num_procs", "2",
                 "packages/ds-all/examples/train_data_parallel.py", *session.posargs)

@@ -1,4 +1,5 @@
-"""The main job runs under ds-launch on 2 ranks and its loss goes down."""
+"""The main job runs under ds-launch on 2 ranks through ds-comm, its loss goes down and the comms
+logger's summary counts its collectives."""
 
 from __future__ import annotations
 
@@ -26,3 +27,7 @@ def test_demo_trains_on_two_ranks_and_the_loss_goes_down():
     assert losses[-1] < 0.5 * losses[0]
     assert "parameters identical on every rank: True" in result.stdout
     assert re.search(r"^loss went down: ", result.stdout, re.M)
+    # the comms logger saw every collective: one coalesced gradient all-reduce and one loss
+    # all-reduce per step, one all-gather of the checksums
+    counts = {m[1]: int(m[2]) for m in re.finditer(r"^(\w+) +\d+ B +(\d+) ", result.stdout, re.M)}
+    assert counts == {"all_reduce_coalesced": 15, "all_reduce": 15, "all_gather_into_tensor": 1}, result.stdout

@@ -1,8 +1,10 @@
 """The layers of DESIGN.md §1, checked from the code's own imports.
 
 A package may import one of ours only if it is of a lower layer AND declared in its
-pyproject.toml; ds-launch may import nothing outside the standard library. The checker is
-proven on a deliberately bad fixture before it is trusted with the real tree.
+pyproject.toml; ds-launch may import nothing outside the standard library. ds-config is the
+bottom brick (layer 0 in DESIGN.md, below the other layer-0 packages here): every package with a
+config section may use it, and it imports nothing of ours. The checker is proven on a
+deliberately bad fixture before it is trusted with the real tree.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ REPO = Path(__file__).resolve().parents[3]
 BAD_REPO = Path(__file__).resolve().parent / "fixtures" / "bad_repo"
 
 LAYERS = {
+    "ds_config": -1,  # DESIGN.md's layer 0, usable by every package with a config section
     "ds_ops": 0, "ds_profiler": 0, "ds_launch": 0,
     "ds_comm": 1, "ds_io": 1, "ds_compress": 1,
     "ds_zero": 2, "ds_pipe": 2,
@@ -68,7 +71,10 @@ def check_repo(root: Path) -> list[str]:
                     top = name.split(".")[0]
                     if top == module:
                         continue
-                    if top in LAYERS:
+                    if top in LAYERS and module in STDLIB_ONLY and folder == "src":
+                        violations.append(f"{where}:{line}: {module} must use the standard library only, "
+                                          f"imports {top}")
+                    elif top in LAYERS:
                         if LAYERS[top] >= LAYERS[module]:
                             violations.append(f"{where}:{line}: {module} (layer {LAYERS[module]}) imports "
                                               f"{top} (layer {LAYERS[top]}); imports must point down")
@@ -89,11 +95,14 @@ def test_the_checker_catches_every_bad_import_of_the_fixture():
         "ds_io imports ds_profiler, which its pyproject.toml does not declare",
         "ds_io (layer 1) imports ds_all (layer 3)",
         "ds_launch must use the standard library only, imports torch",
+        "ds_launch must use the standard library only, imports ds_config",
+        "ds_config (layer -1) imports ds_ops (layer 0)",
     ]
     assert len(found) == len(expected), "\n".join(found)
     for fragment in expected:
         assert any(fragment in v for v in found), f"missing {fragment!r} in:\n" + "\n".join(found)
-    assert not any("ds_ops" in v and "imports ds_ops" in v for v in found)  # the good import passes
+    assert not any("ds_io" in v and "imports ds_ops" in v for v in found)  # the good imports pass
+    assert not any("ds_io" in v and "imports ds_config" in v for v in found)
 
 
 def test_the_real_tree_respects_the_layers():

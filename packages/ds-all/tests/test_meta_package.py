@@ -40,3 +40,11 @@ def test_python_m_ds_all_prints_the_table():
     out = subprocess.run([sys.executable, "-m", "ds_all"], capture_output=True, text=True, check=True).stdout
     for name, version in ds_all.versions().items():
         assert re.search(rf"^{name}\s+{re.escape(version)}$", out, re.M), out
+
+
+def test_python_m_ds_all_help_says_what_it_does_and_bad_flags_fail():
+    out = subprocess.run([sys.executable, "-m", "ds_all", "--help"], capture_output=True, text=True, check=True).stdout
+    assert out.startswith("usage: python -m ds_all") and "ds-all " not in out.split("\n", 1)[0]
+    assert not re.search(r"^ds-all\s+\d", out, re.M)  # no version table in place of help
+    bad = subprocess.run([sys.executable, "-m", "ds_all", "--bogus"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "unrecognized arguments: --bogus" in bad.stderr and bad.stdout == ""

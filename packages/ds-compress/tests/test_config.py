@@ -3,7 +3,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from pydantic import ValidationError
+
+from ds_config import ConfigError as ValidationError
 
 from ds_compress import CompressionConfig, init_compression
 
@@ -63,6 +64,39 @@ def test_bad_values_name_the_key(data, words):
         CompressionConfig.load(data)
     for word in words:
         assert word in str(info.value)
+
+
+def test_misspelled_section_is_named_as_a_section(tmp_path):
+    for whole in ({"compresion_training": {}}, {"train_batch_size": 8, "compression_trainig": {}}):
+        with pytest.raises(ValueError, match="^unknown section 'compres\\w+'; did you mean 'compression_training'"):
+            CompressionConfig.load(whole)
+        path = tmp_path / "ds_config.json"
+        path.write_text(json.dumps(whole))
+        with pytest.raises(ValueError, match="did you mean 'compression_training'"):
+            CompressionConfig.load(path)
+
+
+@pytest.mark.parametrize("group", [{"modules": ["attention.(self"]},
+                                   {"modules": ["dense"], "related_modules": [["out[put"]]}])
+def test_bad_regex_names_the_key_and_the_pattern(group):
+    with pytest.raises(ValueError, match=r"compression_training\.row_pruning\.different_groups\.rp1\.\w+: "
+                                         r"'.*' is not a regular expression: "):
+        CompressionConfig.load({"row_pruning": {"different_groups": {"rp1": group}}})
+
+
+def test_deepspeed_test_config_quantizes_from_12_to_8_bits(encoder):
+    # DeepSpeed's unit test config anneals 12 -> 8 bits; bits above the final 8 are for training only.
+    cfg = CompressionConfig.load({"weight_quantization": {
+        "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
+        "different_groups": {"wq1": {"params": {"start_bits": 12, "target_bits": 8, "quantization_period": 2},
+                                     "modules": ["attention.self"]}}}})
+    init_compression(encoder, cfg)
+    assert encoder.layer[0].attention.self.query.weight_bits == 12
+    with pytest.raises(ValueError, match="target_bits must be between 1 and 8, got 12"):
+        CompressionConfig.load({"weight_quantization": {"different_groups": {"a": {
+            "params": {"start_bits": 12, "target_bits": 12}}}}})
+    with pytest.raises(ValueError, match="start_bits must be between 1 and 16, got 17"):
+        CompressionConfig.load({"weight_quantization": {"different_groups": {"a": {"params": {"start_bits": 17}}}}})
 
 
 def test_float_integers_accepted():

@@ -126,6 +126,9 @@ def test_from_section_or_ds_config_tells_the_section_from_a_whole_config():
     z = Zero(stage=2)
     assert Zero.from_section_or_ds_config(z) is z
     assert "did you mean 'stage'" in _error(Zero.from_section_or_ds_config, {"stagee": 1})
+    # a lone misspelled section is named as such, not as an unknown key inside the section
+    assert _error(Zero.from_section_or_ds_config, {"zero_optimisation": {"stage": 3}}) == \
+        "unknown section 'zero_optimisation'; did you mean 'zero_optimization'?"
 
 
 def test_load_ds_config_errors_name_the_file(tmp_path):

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from pydantic import ValidationError
+
+from ds_config import ConfigError
 
 from ds_io import AioConfig
 
@@ -42,15 +43,17 @@ def test_thread_count_is_intra_op_parallelism_and_roundtrips():
 
 
 @pytest.mark.parametrize("section, message", [
-    ({"blok_size": 4096}, "aio: unknown key 'blok_size'; did you mean 'block_size'?"),
+    ({"blok_size": 4096}, "aio.blok_size: unknown key 'blok_size'; did you mean 'block_size'?"),
     ({"thread_cnt": 2}, "did you mean 'thread_count'?"),
-    ({"block_size": 0}, "block_size\n  Value error, must be a positive integer, got 0"),
-    ({"queue_depth": 2.5}, "must be a positive integer, got 2.5"),
-    ({"queue_depth": True}, "must be a positive integer, got True"),
-    ({"overlap_events": "maybe"}, "must be true or false, got 'maybe'"),
+    ({"block_size": 0}, "aio.block_size: must be greater than 0, got 0"),
+    ({"queue_depth": 2.5}, "aio.queue_depth: must be an integer, got 2.5"),
+    ({"queue_depth": True}, "aio.queue_depth: must be an integer, got True"),
+    ({"queue_depth": "8"}, "aio.queue_depth: must be an integer, got '8'"),
+    ({"overlap_events": "maybe"}, "aio.overlap_events: must be true or false, got 'maybe'"),
+    ({"single_submit": 0}, "aio.single_submit: must be true or false, got 0"),
     ({"thread_count": 2, "intra_op_parallelism": 2}, "give 'thread_count' or 'intra_op_parallelism', not both"),
 ])
 def test_bad_sections_name_the_key_and_what_is_allowed(section, message):
-    with pytest.raises(ValidationError) as info:
+    with pytest.raises(ConfigError) as info:
         AioConfig.model_validate(section)
     assert message in str(info.value)

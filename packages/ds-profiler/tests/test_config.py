@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from pydantic import ValidationError
+from ds_config import ConfigError as ValidationError
 
 from ds_profiler import FlopsProfilerConfig
 
@@ -51,11 +51,13 @@ def test_numbers_written_as_floats_are_integers():
     ({"recompute_fwd_factor": -0.5}, "flops_profiler.recompute_fwd_factor must be a number >= 0, got -0.5"),
     ({"top_modules": 2.5}, "must be an integer, got 2.5"),
     ({"top_modules": True}, "must be an integer, got True"),
-    ({"enabled": "yes"}, "enabled"),
-    ({"profile_step": "3"}, "profile_step"),
-    ({"recompute_fwd_factor": True}, "flops_profiler.recompute_fwd_factor must be a number >= 0, got True"),
-    ({"recompute_fwd_factor": "0.5"}, "flops_profiler.recompute_fwd_factor must be a number >= 0, got '0.5'"),
-    ({"recompute_fwd_factor": None}, "flops_profiler.recompute_fwd_factor must be a number >= 0, got None"),
+    ({"enabled": "yes"}, "flops_profiler.enabled: must be true or false, got 'yes'"),
+    ({"enabled": 1}, "flops_profiler.enabled: must be true or false, got 1"),
+    ({"profile_step": "3"}, "flops_profiler.profile_step: must be an integer, got '3'"),
+    ({"recompute_fwd_factor": True}, "flops_profiler.recompute_fwd_factor: must be a number, got True"),
+    ({"recompute_fwd_factor": "0.5"}, "flops_profiler.recompute_fwd_factor: must be a number, got '0.5'"),
+    ({"recompute_fwd_factor": None}, "flops_profiler.recompute_fwd_factor: must be a number, got None"),
+    ({"recompute_fwd_factor": float("nan")}, "flops_profiler.recompute_fwd_factor must be a number >= 0, got nan"),
 ])
 def test_bad_values_name_the_key_and_value(section, message):
     with pytest.raises(ValidationError, match=message):

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import difflib
+from ds_config import Section
+from pydantic import Field, field_validator
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-
-class CommsLoggerConfig(BaseModel):
+class CommsLoggerConfig(Section):
     """DeepSpeed's ``comms_logger`` keys with their defaults, plus ``hang_timeout``."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    section = "comms_logger"
 
     enabled: bool = Field(False, description="Record every communication op (count, latency, bandwidth).")
     verbose: bool = Field(False, description="Print each op as it happens.")
@@ -24,17 +23,6 @@ class CommsLoggerConfig(BaseModel):
                                                          "and raised as CollectiveHang instead of hanging. Needs "
                                                          "debug. Off by default.")
 
-    @model_validator(mode="before")
-    @classmethod
-    def _suggest(cls, data):
-        if isinstance(data, dict):
-            for key in data:
-                if key not in cls.model_fields:
-                    close = difflib.get_close_matches(key, cls.model_fields, n=1)
-                    hint = f"; did you mean {close[0]!r}?" if close else ""
-                    raise ValueError(f"comms_logger: unknown key {key!r}{hint} (allowed: {', '.join(cls.model_fields)})")
-        return data
-
     @field_validator("hang_timeout")
     @classmethod
     def _positive(cls, value):
@@ -45,6 +33,8 @@ class CommsLoggerConfig(BaseModel):
     @field_validator("prof_ops")
     @classmethod
     def _known_ops(cls, value):
+        if not value:
+            return value
         from .collectives import OPS
 
         unknown = [op for op in value if op not in OPS]

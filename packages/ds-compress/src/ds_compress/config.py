@@ -8,49 +8,18 @@ as in DeepSpeed; that a pattern matches something is checked by ``init_compressi
 
 from __future__ import annotations
 
-import difflib
-import json
-import math
 import os
-from typing import Annotated, Any, Literal
+import re
+from typing import Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from ds_config import Section, load_ds_config
+from pydantic import Field, field_validator, model_validator
 
 SECTION = "compression_training"
 
 
-def _integer(value: Any) -> Any:
-    """Integers, also written as a float with no fraction (``5e8`` in JSON); never booleans."""
-    if isinstance(value, bool):
-        raise ValueError(f"must be an integer, got {value!r}")
-    if isinstance(value, float):
-        if not math.isfinite(value) or value != int(value):
-            raise ValueError(f"must be an integer, got {value!r}")
-        return int(value)
-    return value
-
-
-Integer = Annotated[int, BeforeValidator(_integer), Field(strict=True)]
-Bool = Annotated[bool, Field(strict=True)]
-
-
-class _Section(BaseModel):
-    """Base of every model here: unknown keys are errors with a "did you mean" suggestion."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _known_keys(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            allowed = list(cls.model_fields)
-            for key in data:
-                if key not in cls.model_fields:
-                    close = difflib.get_close_matches(str(key), allowed, n=1, cutoff=0.6)
-                    hint = f"; did you mean {close[0]!r}?" if close else ""
-                    raise ValueError(f"unknown key {key!r} in {cls.__name__}{hint} "
-                                     f"Allowed keys: {', '.join(allowed)}")
-        return data
+class _Section(Section):
+    """Base of every model here (ds-config's strict Section: did-you-mean, one value policy, frozen)."""
 
 
 def _offset(value: int, key: str) -> int:
@@ -65,6 +34,14 @@ def _dense_ratio(value: float) -> float:
     return float(value)
 
 
+def _compiles(patterns: list[str]) -> None:
+    for pattern in patterns:
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            raise ValueError(f"{pattern!r} is not a regular expression: {e}") from None
+
+
 class _Group(_Section):
     """One entry of ``different_groups``: which modules get which ``params``."""
 
@@ -77,6 +54,7 @@ class _Group(_Section):
     def _patterns(cls, value: list[str] | None) -> list[str] | None:
         if value is not None and not value:
             raise ValueError("modules must list at least one pattern (or be omitted for every layer)")
+        _compiles(value or [])
         return value
 
 
@@ -85,10 +63,17 @@ class _RelatedGroup(_Group):
         None, description="For each pattern of modules, the patterns of the modules whose input "
         "dimension follows the pruned output dimension (resized by redundancy_clean).")
 
+    @field_validator("related_modules")
+    @classmethod
+    def _related_patterns(cls, value: list[list[str]] | None) -> list[list[str]] | None:
+        for patterns in value or []:
+            _compiles(patterns)
+        return value
+
 
 # ----------------------------------------------------------------------------- weight quantization
 class FP16MixedQuantizeConfig(_Section):
-    enabled: Bool = Field(False, description="Use a mix of the float weight and its quantized value.")
+    enabled: bool = Field(False, description="Use a mix of the float weight and its quantized value.")
     quantize_change_ratio: float = Field(
         0.001, description="Initial share of the quantized value; it grows by this much every step up to 1.")
 
@@ -101,18 +86,18 @@ class FP16MixedQuantizeConfig(_Section):
 
 
 class WeightQuantizationSharedConfig(_Section):
-    enabled: Bool = Field(False, description="Enable weight quantization.")
-    quantizer_kernel: Bool = Field(
+    enabled: bool = Field(False, description="Enable weight quantization.")
+    quantizer_kernel: bool = Field(
         False, description="DeepSpeed's fused quantizer kernel (FP16 optimizer only); ds-compress has "
         "no such kernel, so true is refused by init_compression.")
-    schedule_offset: Integer = Field(0, description="Training step at which weight quantization starts.")
-    quantize_groups: Integer = Field(1, description="Number of groups the weight is split into, each "
+    schedule_offset: int = Field(0, description="Training step at which weight quantization starts.")
+    quantize_groups: int = Field(1, description="Number of groups the weight is split into, each "
                                      "with its own scale.")
-    quantize_verbose: Bool = Field(False, description="Log every bit-width change.")
+    quantize_verbose: bool = Field(False, description="Log every bit-width change.")
     quantization_type: Literal["symmetric", "asymmetric"] = Field(
         "symmetric", description="symmetric (scale only) or asymmetric (scale and zero point).")
     rounding: Literal["nearest", "stochastic"] = Field("nearest", description="nearest or stochastic rounding.")
-    quantize_weight_in_forward: Bool = Field(
+    quantize_weight_in_forward: bool = Field(
         False, description="true: the forward uses the quantized weight (straight-through gradient), "
         "the float weight is kept; false: CompressionScheduler.step() quantizes the weights in place "
         "after each optimizer step.")
@@ -132,17 +117,24 @@ class WeightQuantizationSharedConfig(_Section):
         return value
 
 
+# Training may start wide (DeepSpeed's own tests go 12 -> 8 bits); the final width is what
+# redundancy_clean stores, at most one byte per weight.
+MAX_WEIGHT_BITS = {"start_bits": 16, "target_bits": 8}
+
+
 class WeightQuantizationParams(_Section):
-    start_bits: Integer = Field(8, description="Bits at the start; reduced by 1 every quantization_period steps.")
-    target_bits: Integer = Field(8, description="Final bits, <= start_bits; 2: ternary, 1: binary.")
-    quantization_period: Integer = Field(1, description="Steps between two reductions of the bit width.")
+    start_bits: int = Field(8, description="Bits at the start (1-16); reduced by 1 every "
+                            "quantization_period steps.")
+    target_bits: int = Field(8, description="Final bits (1-8), <= start_bits; 2: ternary, 1: binary.")
+    quantization_period: int = Field(1, description="Steps between two reductions of the bit width.")
 
     @model_validator(mode="after")
     def _bits(self) -> WeightQuantizationParams:
         for key in ("start_bits", "target_bits"):
             value = getattr(self, key)
-            if not 1 <= value <= 8:
-                raise ValueError(f"weight_quantization params.{key} must be between 1 and 8, got {value}")
+            if not 1 <= value <= MAX_WEIGHT_BITS[key]:
+                raise ValueError(f"weight_quantization params.{key} must be between 1 and "
+                                 f"{MAX_WEIGHT_BITS[key]}, got {value}")
         if self.target_bits > self.start_bits:
             raise ValueError(f"weight_quantization params.target_bits must be <= start_bits, got "
                              f"target_bits={self.target_bits} > start_bits={self.start_bits}")
@@ -166,13 +158,13 @@ class WeightQuantizationConfig(_Section):
 
 # ------------------------------------------------------------------------- activation quantization
 class ActivationQuantizationSharedConfig(_Section):
-    enabled: Bool = Field(False, description="Enable activation (layer input) quantization.")
+    enabled: bool = Field(False, description="Enable activation (layer input) quantization.")
     quantization_type: Literal["symmetric", "asymmetric"] = Field(
         "symmetric", description="symmetric or asymmetric.")
     range_calibration: Literal["dynamic", "static"] = Field(
         "static", description="dynamic: range of each token/image; static: running min/max "
         "(momentum 0.95) learned in training and fixed in eval.")
-    schedule_offset: Integer = Field(0, description="Training step at which activation quantization starts.")
+    schedule_offset: int = Field(0, description="Training step at which activation quantization starts.")
 
     @field_validator("schedule_offset")
     @classmethod
@@ -181,7 +173,7 @@ class ActivationQuantizationSharedConfig(_Section):
 
 
 class ActivationQuantizationParams(_Section):
-    bits: Integer = Field(8, description="Bits of the activations, >= 4.")
+    bits: int = Field(8, description="Bits of the activations, >= 4.")
 
     @field_validator("bits")
     @classmethod
@@ -222,12 +214,12 @@ class StructuredPruningGroup(_RelatedGroup):
 
 
 class SparsePruningSharedConfig(_Section):
-    enabled: Bool = Field(False, description="Enable unstructured sparse pruning.")
-    schedule_offset: Integer = Field(0, description="Training step at which sparse pruning starts.")
-    schedule_offset_end: Integer | None = Field(
+    enabled: bool = Field(False, description="Enable unstructured sparse pruning.")
+    schedule_offset: int = Field(0, description="Training step at which sparse pruning starts.")
+    schedule_offset_end: int | None = Field(
         None, description="Training step after which the mask stops changing (it is frozen and kept); "
         "null: never. Mandatory for snip_momentum.")
-    schedule_offset_stride: Integer = Field(1, description="Steps between two mask updates (snip_momentum).")
+    schedule_offset_stride: int = Field(1, description="Steps between two mask updates (snip_momentum).")
     method: Literal["l1", "topk", "snip_momentum"] = Field(
         "l1", description="l1: magnitude mask fixed when pruning starts; topk: learned scores "
         "(straight-through); snip_momentum: structured (not implemented in 0.1.0, refused).")
@@ -272,8 +264,8 @@ class SparsePruningConfig(_Section):
 
 
 class _StructuredShared(_Section):
-    enabled: Bool = Field(False, description="Enable this pruning.")
-    schedule_offset: Integer = Field(0, description="Training step at which this pruning starts.")
+    enabled: bool = Field(False, description="Enable this pruning.")
+    schedule_offset: int = Field(0, description="Training step at which this pruning starts.")
     method: Literal["l1", "topk"] = Field("l1", description="l1: magnitude mask fixed when pruning starts; "
                                           "topk: learned scores (straight-through).")
 
@@ -294,7 +286,7 @@ class ChannelPruningSharedConfig(_StructuredShared):
 class HeadPruningSharedConfig(_StructuredShared):
     method: Literal["topk", "l1"] = Field("topk", description="topk (learned head scores) or l1 "
                                           "(head magnitude, fixed when pruning starts).")
-    num_heads: Integer | None = Field(None, description="Number of attention heads (required when enabled).")
+    num_heads: int | None = Field(None, description="Number of attention heads (required when enabled).")
 
     @model_validator(mode="after")
     def _heads(self) -> HeadPruningSharedConfig:
@@ -324,10 +316,10 @@ class ChannelPruningConfig(_Section):
 
 # -------------------------------------------------------------------------------- layer reduction
 class LayerReductionConfig(_Section):
-    enabled: Bool = Field(False, description="Enable layer reduction.")
-    keep_number_layer: Integer | None = Field(None, description="Number of layers of module_name_prefix kept.")
+    enabled: bool = Field(False, description="Enable layer reduction.")
+    keep_number_layer: int | None = Field(None, description="Number of layers of module_name_prefix kept.")
     module_name_prefix: str | None = Field(None, description="Name of the layer list, e.g. 'bert.encoder.layer'.")
-    teacher_layer: list[Integer] | None = Field(
+    teacher_layer: list[int] | None = Field(
         None, description="Teacher layer indices the kept layers are initialised from (keep_number_layer of them).")
     other_module_name: list[str] = Field(default_factory=list,
                                          description="Other modules copied from the teacher, by name.")
@@ -358,6 +350,8 @@ TECHNIQUES = ("weight_quantization", "activation_quantization", "sparse_pruning"
 class CompressionConfig(_Section):
     """The ``"compression_training"`` section of ds_config.json."""
 
+    section = SECTION
+
     layer_reduction: LayerReductionConfig = Field(default_factory=LayerReductionConfig,
                                                   description="Keep fewer layers, initialised from a teacher.")
     weight_quantization: WeightQuantizationConfig = Field(default_factory=WeightQuantizationConfig,
@@ -384,15 +378,11 @@ class CompressionConfig(_Section):
 
     @classmethod
     def load(cls, config: Any) -> CompressionConfig:
-        """A ``CompressionConfig``, a dict (the section, or a whole ds config holding it), or a JSON path."""
-        if isinstance(config, cls):
-            return config
+        """A ``CompressionConfig``, a dict (the section, or a whole ds config holding it), or a JSON
+        path (of a whole config, or of the section alone)."""
         if isinstance(config, (str, os.PathLike)):
-            with open(config) as f:
-                config = json.load(f)
-        if not isinstance(config, dict):
+            config = load_ds_config(config)
+        if not isinstance(config, (cls, dict)):
             raise ValueError(f"{SECTION}: expected a CompressionConfig, a dict or a path to a JSON config, "
                              f"got {type(config).__name__}")
-        if SECTION in config:
-            config = config[SECTION]
-        return cls.model_validate(config)
+        return cls.from_section_or_ds_config(config)

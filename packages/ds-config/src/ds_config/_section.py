@@ -225,6 +225,15 @@ class Section(BaseModel):
         return out
 
     @classmethod
+    def _misspelled_section(cls, keys) -> str | None:
+        fields = set(_field_names(cls))
+        for key in keys:
+            if (key not in DEEPSPEED_KEYS and key not in fields
+                    and difflib.get_close_matches(str(key), [cls.section], n=1, cutoff=0.75)):
+                return key
+        return None
+
+    @classmethod
     def from_ds_config(cls, config: Mapping | str | os.PathLike | None = None):
         """This section of a whole DeepSpeed config (a dict or a JSON file's path); its defaults
         when the config has no such section. A top-level key that is close to this section's name
@@ -235,19 +244,22 @@ class Section(BaseModel):
         if cls.section in whole:
             value = whole[cls.section]
             return cls.model_validate({} if value is None else value)
-        for key in whole:
-            if key not in DEEPSPEED_KEYS and difflib.get_close_matches(str(key), [cls.section], n=1, cutoff=0.75):
-                raise ConfigError([("", f"unknown section {key!r}; did you mean {cls.section!r}?")])
+        misspelled = cls._misspelled_section(whole)
+        if misspelled is not None:
+            raise ConfigError([("", f"unknown section {misspelled!r}; did you mean {cls.section!r}?")])
         return cls()
 
     @classmethod
     def from_section_or_ds_config(cls, config: Any = None):
-        """An instance as it is; a dict that holds DeepSpeed keys as a whole config
-        (`from_ds_config`); any other dict as this section itself; a path as a JSON config file."""
+        """An instance as it is; a path as a whole DeepSpeed config file; a dict as a whole config
+        when it holds a top-level DeepSpeed key (that is no key of this section) or a misspelling of
+        this section's name, else as this section."""
         if isinstance(config, cls):
             return config
         if config is None:
             return cls()
-        if isinstance(config, Mapping) and not (set(config) & (DEEPSPEED_KEYS | {cls.section})):
+        deepspeed_keys = (DEEPSPEED_KEYS - set(_field_names(cls))) | {cls.section}
+        if (isinstance(config, Mapping) and not set(config) & deepspeed_keys
+                and cls._misspelled_section(config) is None):
             return cls.model_validate(dict(config))
         return cls.from_ds_config(config)

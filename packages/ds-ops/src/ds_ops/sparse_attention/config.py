@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import difflib
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from ds_config import Section
+from pydantic import Field
 
 from . import sparsity_config as sc
 
@@ -24,8 +24,10 @@ _CLASSES = {"dense": sc.DenseSparsityConfig, "fixed": sc.FixedSparsityConfig, "v
             "bigbird": sc.BigBirdSparsityConfig, "bslongformer": sc.BSLongformerSparsityConfig}
 
 
-class SparseAttentionConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class SparseAttentionConfig(Section):
+    """The ``sparse_attention`` section of ds_config.json: which layout, and its parameters."""
+
+    section = "sparse_attention"
 
     mode: Literal["dense", "fixed", "variable", "bigbird", "bslongformer"] = Field(
         "fixed", description="The sparsity structure.")
@@ -44,17 +46,6 @@ class SparseAttentionConfig(BaseModel):
                                                                                      "global blocks (or range starts).")
     global_block_end_indices: list[int] | None = Field(None, description="variable, bslongformer: range ends, exclusive.")
     num_sliding_window_blocks: int = Field(3, gt=0, description="bigbird, bslongformer: sliding window width.")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _suggest(cls, data):
-        if isinstance(data, dict):
-            for key in data:
-                if key not in cls.model_fields:
-                    close = difflib.get_close_matches(key, cls.model_fields, n=1)
-                    hint = f"; did you mean {close[0]!r}?" if close else ""
-                    raise ValueError(f"sparse_attention: unknown key {key!r}{hint}")
-        return data
 
     def sparsity_config(self, num_heads: int) -> sc.SparsityConfig:
         """The layout builder of this mode for a model with ``num_heads`` heads (its checks raise
