@@ -48,3 +48,13 @@ def test_python_m_ds_all_help_says_what_it_does_and_bad_flags_fail():
     assert not re.search(r"^ds-all\s+\d", out, re.M)  # no version table in place of help
     bad = subprocess.run([sys.executable, "-m", "ds_all", "--bogus"], capture_output=True, text=True)
     assert bad.returncode == 2 and "unrecognized arguments: --bogus" in bad.stderr and bad.stdout == ""
+
+
+def test_readme_example_shows_what_versions_returns():
+    readme = (REPO / "packages" / "ds-all" / "README.md").read_text()
+    shown = re.search(r"print\(ds_all\.versions\(\)\)\s+# \{(.*)\}", readme).group(1)
+    pairs = re.findall(r"'([\w-]+)': '([^']+)'", shown)
+    assert pairs and all(ds_all.versions()[name] == version for name, version in pairs), pairs
+    assert [name for name, _ in pairs] == list(ds_all.versions())[:len(pairs)]  # in the order it returns
+    for part in ds_all.PARTS:  # every part is named in the README's first paragraph
+        assert f"`{part}`" in readme.split("\n\n")[1], part
