@@ -61,7 +61,7 @@ def split_cores(num_ranks: int, core_list: str | None, available: list[int] | No
     return slices
 
 
-def _brief(text: str, limit: int = 60) -> str:
+def _brief(text: str, limit: int = 40) -> str:
     """A core list for a one-line message: at most ``limit`` characters, cut at a comma."""
     if len(text) <= limit:
         return text
