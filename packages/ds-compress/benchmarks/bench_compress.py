@@ -1,5 +1,7 @@
 """Model size on disk, forward latency and accuracy of a small transformer encoder, before and after
-``redundancy_clean``, for (a) 50% row pruning of the FFN, (b) 50% head pruning, (c) 4-bit weights.
+``redundancy_clean``, for (a) 50% row pruning of the FFN, (b) 50% head pruning, (c) 4-bit weights
+(``pack=True``); then the bytes of the state_dict of every Linear and Embedding weight quantized at
+8, 4, 2 and 1 bits, cleaned with float weights (the default) and with ``pack=True``.
 
 The baseline is what a user has without ds-compress: the trained, uncompressed model.  Each variant
 starts from that model, is compressed with ``init_compression``, fine-tuned a few steps with the
@@ -112,6 +114,29 @@ def latency_ms(model, ids, repeats):
     return statistics.median(times)
 
 
+def weight_quantization(bits):
+    return {"weight_quantization": {
+        "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True, "quantize_groups": 8},
+        "different_groups": {"wq": {"params": {"start_bits": bits, "target_bits": bits},
+                                    "modules": ["layer", "embeddings", "classifier"]}}}}
+
+
+def storage_sizes(base, probe):
+    """Bytes of ``torch.save(state_dict)`` of the cleaned encoder, float weights vs packed codes;
+    the packed model must compute what the float-cleaned one does."""
+    rows = [{"storage": "float32, no compression", "bits": None, "bytes": disk_bytes(base)}]
+    for bits in (8, 4, 2, 1):
+        cfg = weight_quantization(bits)
+        float_model = redundancy_clean(init_compression(copy.deepcopy(base), cfg), cfg).eval()
+        packed = redundancy_clean(init_compression(copy.deepcopy(base), cfg), cfg, pack=True).eval()
+        with torch.no_grad():
+            if not torch.allclose(float_model(probe), packed(probe), atol=1e-5):
+                raise RuntimeError(f"{bits} bits: the packed model does not compute what the float one does")
+        rows.append({"storage": f"{bits}-bit, default (float weights)", "bits": bits, "bytes": disk_bytes(float_model)})
+        rows.append({"storage": f"{bits}-bit, pack=True", "bits": bits, "bytes": disk_bytes(packed)})
+    return rows
+
+
 VARIANTS = {
     "row pruning 50% (FFN)": {"row_pruning": {
         "shared_parameters": {"enabled": True, "method": "l1"},
@@ -121,11 +146,12 @@ VARIANTS = {
         "shared_parameters": {"enabled": True, "method": "topk", "num_heads": 8},
         "different_groups": {"hp": {"params": {"dense_ratio": 0.5}, "modules": ["attention.output"],
                                     "related_modules": [["self.query", "self.key", "self.value"]]}}}},
-    "4-bit weights": {"weight_quantization": {
+    "4-bit weights (pack)": {"weight_quantization": {
         "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True, "quantize_groups": 8},
         "different_groups": {"wq": {"params": {"start_bits": 4, "target_bits": 4},
                                     "modules": ["layer", "embeddings"]}}}},
 }
+PACK = {"4-bit weights (pack)"}
 
 
 def main() -> None:
@@ -146,7 +172,7 @@ def main() -> None:
         model = init_compression(copy.deepcopy(base), cfg)
         train(model, data, args.finetune_steps, lr=3e-4, scheduler=CompressionScheduler(model, cfg))
         acc_before = accuracy(model, test)
-        redundancy_clean(model, cfg)
+        redundancy_clean(model, cfg, pack=name in PACK)
         acc_after = accuracy(model, test)
         rows.append({"variant": name, "bytes_baseline": base_bytes, "bytes_ours": disk_bytes(model),
                      "latency_ms_baseline": base_ms, "latency_ms_ours": latency_ms(model, probe, args.repeats),
@@ -163,9 +189,14 @@ def main() -> None:
               f"{r['accuracy_baseline']:>10.4f}{r['accuracy_compressed']:>10.4f}{r['accuracy_cleaned']:>13.4f}")
         if not math.isclose(r["accuracy_compressed"], r["accuracy_cleaned"], abs_tol=1e-3):
             print(f"  note: {r['variant']}: cleaning changed the accuracy")
+    sizes = storage_sizes(base, probe)
+    print("\nstate_dict bytes, every Linear and Embedding weight quantized (quantize_groups 8):")
+    print(f"{'storage':<34}{'bytes':>12}{'ratio':>7}")
+    for r in sizes:
+        print(f"{r['storage']:<34}{r['bytes']:>12,}{r['bytes'] / sizes[0]['bytes']:>7.2f}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"benchmark": "bench_compress", "rows": rows}, f, indent=2)
+            json.dump({"benchmark": "bench_compress", "rows": rows, "storage": sizes}, f, indent=2)
 
 
 if __name__ == "__main__":

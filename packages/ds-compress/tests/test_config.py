@@ -138,3 +138,19 @@ def test_default_modules_are_linear_and_conv(convnet, section):
     assert not hasattr(convnet.bn1, "weight_quantization")
     x = torch.randn(2, 3, 6, 6)
     assert convnet(x).shape == (2, 3)
+
+
+@pytest.mark.parametrize("technique, shared, group, key, pattern", [
+    ("sparse_pruning", {}, {"modules": ["layer.(0"]}, "sparse_pruning.different_groups.g.modules", "layer.(0"),
+    ("sparse_pruning", {"excluded_modules": ["*query"]}, {"modules": ["query"]},
+     "sparse_pruning.shared_parameters.excluded_modules", "*query"),
+    ("row_pruning", {}, {"modules": ["intermediate.dense"], "related_modules": [["output[.dense"]]},
+     "row_pruning.different_groups.g.related_modules", "output[.dense"),
+])
+def test_bad_regex_names_key_and_pattern(encoder, section, technique, shared, group, key, pattern):
+    """A pattern that is no regular expression: a ValueError naming the key and the pattern, not a bare re.error."""
+    with pytest.raises(ValueError) as info:
+        init_compression(encoder, section(technique, shared, {"g": group}))
+    message = str(info.value)
+    assert f"compression_training.{key}" in message
+    assert repr(pattern) in message and "not a valid regular expression" in message

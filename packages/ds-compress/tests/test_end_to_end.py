@@ -76,5 +76,6 @@ def test_compressed_training_matches_uncompressed_accuracy():
     for layer in (model.net[0], model.net[2], model.net[4]):
         w = layer.stored_weight()
         assert abs((w == 0).float().mean().item() - 0.5) <= 1 / w.numel()
-        assert layer.weight_codes.dtype == torch.uint8
+        assert isinstance(layer.weight, nn.Parameter)  # DeepSpeed's clean: float weights on the 8-bit grid
+        assert torch.unique(w).numel() <= 2 ** 8
     assert time.perf_counter() - start < 60

@@ -145,8 +145,9 @@ def test_sparse_clean_bakes_mask_and_excluded_modules(encoder, section):
     assert encoder.layer[0].intermediate.dense.sparse_mask is None
 
 
+@pytest.mark.parametrize("pack", [False, True])
 @pytest.mark.parametrize("groups", [1, 4])
-def test_clean_exact_with_quantization_row_pruning_and_activations(section, groups):
+def test_clean_exact_with_quantization_row_pruning_and_activations(section, groups, pack):
     """Row pruning + 4-bit weights (+ sparse, activation quantization) on the same layers: the
     quantization scale of the next layer ignores the columns clean removes, so clean is exact."""
     torch.manual_seed(0)
@@ -164,8 +165,12 @@ def test_clean_exact_with_quantization_row_pruning_and_activations(section, grou
     copied = copy.deepcopy(m)
     m.eval()
     expected = m(x)
-    redundancy_clean(m, cfg)
-    assert m[0].out_features == 8 and m[2].in_features == 8 and m[2].weight_codes.numel() == 16
+    redundancy_clean(m, cfg, pack=pack)
+    assert m[0].out_features == 8 and m[2].in_features == 8
+    if pack:
+        assert m[2].weight is None and m[2].weight_codes.numel() == 16
+    else:
+        assert m[2].weight.shape == (4, 8) and not hasattr(m[2], "weight_codes")
     torch.testing.assert_close(m(x), expected)
     copied.eval()
     torch.testing.assert_close(copied(x), expected)  # a deep copy made before clean is unaffected

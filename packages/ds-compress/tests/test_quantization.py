@@ -132,7 +132,7 @@ def test_bit_schedule_and_clean_packs(encoder, section):
     w = layer.weight.detach().clone()
     torch.testing.assert_close(layer.effective_weight()[0], quantize(w, 4))
     before = sum(t.numel() * t.element_size() for t in encoder.state_dict().values())
-    redundancy_clean(encoder, cfg)
+    redundancy_clean(encoder, cfg, pack=True)
     assert layer.weight is None and layer.weight_codes.dtype == torch.uint8
     after = sum(t.numel() * t.element_size() for t in encoder.state_dict().values())
     assert after < before

@@ -45,11 +45,20 @@ CASES = {
     "node_rank with launcher": (["--hostfile", "{hostfile}", "--node_rank", "1", "--launcher", "ssh", "{script}"], "cannot be combined with --launcher"),
     "core list without binding": (["--bind_core_list", "0", "{script}"], "--bind_core_list needs --bind_cores_to_rank"),
     "bad core list": (["--bind_cores_to_rank", "--bind_core_list", "0-x", "{script}"], "--bind_core_list '0-x'"),
-    "unknown option": (["--num_gpu", "2", "{script}"], "unrecognized arguments"),
+    "unknown option": (["--num_gpu", "2", "{script}"], "unrecognized option '--num_gpu'; did you mean --num_gpus?"),
+    "option typo with a hyphen": (["--save-pid", "{script}"], "unrecognized option '--save-pid'; did you mean --save_pid?"),
+    "unknown option with a value": (["--bind_core=0", "{script}"], "unrecognized option '--bind_core'; did you mean --bind_core_list?"),
+    "unknown option, nothing close": (["--zzzzzz", "{script}"], "unrecognized option '--zzzzzz' (see ds-launch --help)"),
+    "value-taking option without its value": (["--num_procs", "--dry_run", "{script}"], "--num_procs: expected one argument"),
+    "bare save_pid before a missing script": (["--save_pid", "{tmp}/nope.pid", "{script}"],
+                                               "--save_pid takes no value, use --save_pid=PATH"),
+    "save_pid over the script": (["--save_pid={script}", "{script}"], "the file exists and does not hold a pid; refusing to overwrite it"),
+    "core list beyond the machine": (["--bind_cores_to_rank", "--bind_core_list", "0-9999", "{script}"],
+                                     "--bind_core_list '0-9999' names cores"),
     "no script": ([], "the following arguments are required: user_script"),
     "bad master addr": (["--master_addr", "$(reboot)", "{script}"], "--master_addr: invalid hostname '$(reboot)'"),
     "unwritable log dir": (["--enable_each_rank_log", "/proc/no/such/dir", "{script}"], "--enable_each_rank_log /proc/no/such/dir: cannot create"),
-    "unwritable pid file": (["--save_pid", "/proc/no/such.pid", "{script}"], "--save_pid /proc/no/such.pid: cannot write the pid file"),
+    "unwritable pid file": (["--save_pid=/proc/no/such.pid", "{script}"], "--save_pid=/proc/no/such.pid: cannot write the pid file"),
     "huge procs": (["--num_procs", "3000000000", "{script}"], "--num_gpus must be an integer from 1 to 4096, got 3000000000"),
     "huge slots": (["--hostfile", "{huge}", "{script}"], "line 1: slots must be an integer from 1 to 4096, got '10000000000'"),
     "superscript slot": (["--hostfile", "{hostfile}", "-i", "a:\u00b2", "{script}"], "slot '\u00b2' of host 'a' is not a non-negative integer"),
@@ -90,6 +99,21 @@ def test_bad_input_is_one_line_and_exit_2(case, tmp_path, script, run_launcher):
     assert message.format(**values) in lines[0]
     assert "Traceback" not in result.stderr
     assert not marker_file.exists(), "the program ran despite the error"
+    assert len(lines[0]) < 300, f"{len(lines[0])} characters"
+    if "{script}" in args:
+        assert script.read_text().startswith("import sys"), "the script was overwritten"
+
+
+def test_core_list_error_is_short_and_names_the_available_cores(tmp_path, script, run_launcher):
+    from ds_launch.affinity import available_cores, format_cores
+
+    result = run_launcher("--bind_cores_to_rank", "--bind_core_list", "0-9999", str(script), timeout=30)
+    assert result.returncode == 2
+    line = result.stderr.strip()
+    assert "\n" not in line and len(line) < 200, line  # was 59,000 characters (every missing core listed)
+    available = available_cores()
+    assert f"(available: {format_cores(available)})" in line or len(format_cores(available)) > 40
+    assert f"names cores {max(available) + 1}-9999 " in line or max(available) >= 9999
 
 
 def test_taken_port_is_a_clear_error(tmp_path, script, run_launcher):

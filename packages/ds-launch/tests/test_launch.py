@@ -163,13 +163,32 @@ def test_save_pid_and_rank_logs(tmp_path, dump, run_launcher, port):
         runpy.run_path({str(script)!r}, run_name="__main__")
     """))
     logs = tmp_path / "logs"
-    result = run_launcher("--num_procs", "2", "--master_port", str(port), "--save_pid", str(pid_file),
+    result = run_launcher("--num_procs", "2", "--master_port", str(port), f"--save_pid={pid_file}",
                           "--enable_each_rank_log", str(logs), str(reader), env={"DUMP_DIR": str(out)})
     assert result.returncode == 0, result.stderr
     assert not pid_file.exists(), "the pid file is removed when the launch ends"
     for rank in range(2):
         assert (logs / f"rank{rank}.log").read_text().startswith(f"hello from rank {rank}")
         assert read(rank)["env"]["RANK"] == str(rank)
+
+
+def test_save_pid_is_a_flag_as_in_deepspeed(tmp_path, dump, run_launcher, port):
+    """``--save_pid train.py``: the script is the script (it was taken as the pid file's path); the
+    pid goes to DeepSpeed's /tmp/<launcher pid>.deepspeed, removed when the launch ends."""
+    script, out, read = dump
+    reader = _write(tmp_path, "pid_reader.py", textwrap.dedent(f"""
+        import os, runpy
+        path = f"/tmp/{{os.getppid()}}.deepspeed"
+        assert int(open(path).read()) == os.getppid(), "the pid file names the launcher"
+        print("PIDFILE", path)
+        runpy.run_path({str(script)!r}, run_name="__main__")
+    """))
+    result = run_launcher("--save_pid", "--master_port", str(port), str(reader), "--save_pid", "x",
+                          env={"DUMP_DIR": str(out)})
+    assert result.returncode == 0, result.stderr
+    path = result.stdout.split("PIDFILE ", 1)[1].split()[0]
+    assert not os.path.exists(path), "the pid file is removed when the launch ends"
+    assert read(0)["argv"] == ["--local_rank=0", "--save_pid", "x"]  # the script's own options untouched
 
 
 @pytest.mark.skipif(len(available_cores()) < 2, reason="needs at least 2 usable cores")

@@ -112,8 +112,18 @@ def test_split_cores_is_even_contiguous_and_complete():
     assert split_cores(2, "4-7", list(range(8))) == [(4, 5), (6, 7)]
     with pytest.raises(LaunchError, match="cannot bind 3 local ranks to 2 cores"):
         split_cores(3, None, [0, 1])
-    with pytest.raises(LaunchError, match=r"names cores \[9\] that this process may not use"):
+    with pytest.raises(LaunchError, match=r"names cores 9 that this process may not use \(available: 0-8\)"):
         split_cores(1, "8-9", list(range(9)))
+
+
+def test_missing_cores_message_stays_short():
+    """Every other core available, 10,000 asked for: the ranges are cut, not listed (was 59,000 characters)."""
+    with pytest.raises(LaunchError) as info:
+        split_cores(1, "0-9999", list(range(0, 64, 2)))
+    message = str(info.value)
+    assert len(message) < 200, message
+    assert message.startswith("--bind_core_list '0-9999' names cores 1,3,5,")
+    assert message.endswith(",...)") and "(available: 0,2,4," in message
 
 
 @pytest.mark.parametrize("visible, count", [("", 0), ("-1", 0), ("0", 1), ("0,1,3", 3), ("GPU-uuid-a,GPU-uuid-b", 2)])

@@ -8,6 +8,7 @@ import sys
 import textwrap
 
 import pytest
+import torch
 from _models import gpt_counts, mlp_counts
 
 from ds_profiler.cli import main
@@ -91,3 +92,56 @@ def test_console_entry_point_runs(models_file):
                              "--no-detailed"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "fwd flops per GPU:" in result.stdout
+
+
+def _run_cli(*argv):
+    return subprocess.run([sys.executable, "-m", "ds_profiler", *argv], capture_output=True, text=True, timeout=120)
+
+
+def _one_line_error(result, message):
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ds-profile: error: "), result.stderr
+    assert message in lines[0], lines[0]
+    assert "Traceback" not in result.stderr and "AssertionError" not in result.stderr
+
+
+@pytest.mark.parametrize(("option", "where", "message"), [
+    ("--json", "under_a_file", "cannot write there: {tmp}/a_file is not a directory"),
+    ("--json", "directory", "is a directory, expected a file path"),
+    ("--json", "proc", "cannot write there"),
+    ("--output-file", "under_a_file", "cannot write there: {tmp}/a_file is not a directory"),
+])
+def test_unwritable_output_fails_before_the_run(models_file, tmp_path, option, where, message):
+    """It failed after the whole run (the profile printed, then a traceback from write_text)."""
+    (tmp_path / "a_file").write_text("")
+    path = {"under_a_file": tmp_path / "a_file" / "p.json", "directory": tmp_path,
+            "proc": "/proc/ds-profile-test.json"}[where]
+    result = _run_cli(f"{models_file}:mlp", "--input-shape", "4,16", option, str(path))
+    _one_line_error(result, f"{option} {path}: {message.format(tmp=tmp_path)}")
+    assert result.stdout == "", "the model ran before the error"
+
+
+def test_json_to_a_new_directory_is_created(models_file, tmp_path):
+    out = tmp_path / "new" / "dir" / "p.json"
+    result = _run_cli(f"{models_file}:mlp", "--input-shape", "4,16", "--no-detailed", "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    assert json.loads(out.read_text())["macs"] == mlp_counts(4)[1]
+    assert sorted(p.name for p in out.parent.iterdir()) == ["p.json"]  # no probe or temp file left
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+@pytest.mark.parametrize("device", ["cuda", "cuda:1"])
+def test_cuda_device_without_cuda_is_one_line(models_file, device):
+    result = _run_cli(f"{models_file}:mlp", "--input-shape", "4,16", "--device", device)
+    _one_line_error(result, f"--device {device}: CUDA is not available on this machine")
+    assert result.stdout == ""
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_device_index_beyond_the_gpus_is_one_line(models_file):
+    count = torch.cuda.device_count()
+    result = _run_cli(f"{models_file}:mlp", "--input-shape", "4,16", "--device", f"cuda:{count}")
+    _one_line_error(result, f"--device cuda:{count}: this machine has {count} cuda device(s)")
+    result = _run_cli(f"{models_file}:mlp", "--input-shape", "4,16", "--device", "cuda", "--no-detailed")
+    assert result.returncode == 0, result.stderr

@@ -178,6 +178,46 @@ def test_engine_supplies_parallel_sizes_batch_and_timers():
     assert value("samples/second:") == f"{8 * 2 / 0.035:.2f}"  # micro batch * data parallel size / iter latency
 
 
+@pytest.mark.parametrize(("sizes", "dp"), [
+    ({"dp_world_size": None, "seq_dp_world_size": 4}, "4"),  # DeepSpeed under Ulysses sequence parallelism
+    ({"dp_world_size": None}, "4"),                           # no seq_dp_world_size: world // mp
+    ({"dp_world_size": None, "seq_dp_world_size": None, "mp_world_size": None}, "8"),
+])
+def test_engine_dp_world_size_none(sizes, dp):
+    """DeepSpeed's engine reports dp_world_size=None under sequence parallelism; int(None) crashed."""
+    engine = SimpleNamespace(world_size=8, mp_world_size=2, train_micro_batch_size_per_gpu=lambda: 3,
+                             wall_clock_breakdown=lambda: True,
+                             timers=lambda name: SimpleNamespace(elapsed=lambda reset: 10.0))
+    for name, value in sizes.items():
+        setattr(engine, name, value)
+    from ds_profiler import FlopsProfiler
+
+    model = MLP()
+    prof = FlopsProfiler(model, ds_engine=engine)
+    prof.start_profile()
+    model(torch.randn(2, 16))
+    text = prof.print_model_profile(output_file=None)
+    prof.end_profile()
+
+    def value(label):
+        return re.search(re.escape(label) + r"\s+(.+?)\s*$", text, flags=re.M).group(1)
+
+    assert value("data parallel size:") == dp
+    assert value("samples/second:") == f"{3 * int(dp) / 0.03:.2f}"
+
+
+def test_engine_bad_size_names_it():
+    from ds_profiler import FlopsProfiler
+
+    engine = SimpleNamespace(world_size=8, mp_world_size=0, dp_world_size=None)
+    prof = FlopsProfiler(MLP(), ds_engine=engine)
+    prof.start_profile()
+    prof.model(torch.randn(2, 16))
+    with pytest.raises(ValueError, match=r"ds_engine\.mp_world_size must be a positive integer or None, got 0"):
+        prof.print_model_profile(output_file=None)
+    prof.end_profile()
+
+
 @pytest.mark.parametrize(("number", "text"), [
     (0, "0 "), (999, "999 "), (1000, "1 K"), (1234567, "1.23 M"), (3.14159e12, "3.14 T"),
     (5e15, "5000 T"), (6279.86e9, "6.28 T"), (336.23e6, "336.23 M"),

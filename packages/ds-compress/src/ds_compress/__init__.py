@@ -3,7 +3,7 @@
     model = init_compression(model, ds_config)          # or the "compression_training" dict
     scheduler = CompressionScheduler(model, ds_config)
     ...train, calling scheduler.step() after each optimizer.step()...
-    model = redundancy_clean(model, ds_config)          # smaller weights, same function
+    model = redundancy_clean(model, ds_config)          # permanent (pack=True: packed codes), same function
 """
 
 from .clean import redundancy_clean

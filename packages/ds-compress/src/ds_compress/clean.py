@@ -2,8 +2,11 @@
 
 Sparse masks are multiplied into the weights; pruned rows, heads and channels are cut out of the
 weights and of their ``related_modules`` (next layer's input columns, Q/K/V rows, BatchNorm
-features); quantized weights are stored as packed integer codes (two per byte at <= 4 bits) with a
-float scale per group.  The cleaned model computes the same function as the compressed one.
+features).  Quantized weights become their quantized values, as in DeepSpeed: ``module.weight``
+stays a float ``Parameter`` (so weight tying, ``state_dict`` loading into the plain model and
+exporters keep working) and the forward stops quantizing it.  With ``pack=True`` they are stored
+instead as packed integer codes (two per byte at <= 4 bits) with a float scale per group, and
+``module.weight`` is ``None``.  Either way the cleaned model computes the same function.
 """
 
 from __future__ import annotations
@@ -81,12 +84,18 @@ def _drop(module: _CompressMixin, kind: str) -> None:
 
 
 @torch.no_grad()
-def redundancy_clean(model: nn.Module, config: Any, mpu: Any = None) -> nn.Module:
+def redundancy_clean(model: nn.Module, config: Any, mpu: Any = None, *, pack: bool = False) -> nn.Module:
     """Apply the compression for good (see the module docstring); returns ``model``.
 
     Only techniques that are on (their ``schedule_offset`` reached) are applied; the others are
-    removed, which leaves the function unchanged.
+    removed, which leaves the function unchanged.  ``pack=False`` (DeepSpeed's behaviour): quantized
+    weights stay float parameters holding values on the quantization grid.  ``pack=True``: they are
+    replaced by packed integer codes and a scale per group (buffers ``weight_codes``,
+    ``weight_scale``, ``weight_zero_point``, ``weight_meta``; ``module.weight`` is ``None``), which
+    makes the ``state_dict`` about ``32 / bits`` times smaller but breaks weight tying.
     """
+    if not isinstance(pack, bool):
+        raise ValueError(f"redundancy_clean: pack must be True or False, got {pack!r}")
     cfg = CompressionConfig.load(config)
     _check_mpu(mpu)
     modules = compressed_modules(model)
@@ -107,13 +116,25 @@ def redundancy_clean(model: nn.Module, config: Any, mpu: Any = None) -> nn.Modul
         cuts.append((e, module, kind, module.mask(kind).detach().reshape(-1).bool()))
     # Quantize now, on the weights the forward quantizes (masked, original shape), keeping each
     # row's scale, so that cutting rows and columns below leaves every value exact.
+    # All values are computed before any is written: a weight tied between two quantized modules
+    # (an embedding and its output head) must not be quantized a second time from its quantized value.
+    quantized_values: dict[int, tuple[torch.Tensor, str]] = {}
+    quantized: list[_CompressMixin] = []
     for m in modules:
         spec = m.weight_quantization
         if spec is not None and m.weight_quantization_enabled and m.weight is not None:
             values, scale, zero_point = quantize_for_storage(m.masked_weight()[0].detach(), m.weight_bits,
                                                              spec.groups, spec.quantization_type)
-            m.weight.copy_(values)
-            m._clean_quantized = (scale, zero_point)
+            first = quantized_values.setdefault(id(m.weight), (values, m._label()))
+            if first[0] is not values and not torch.equal(first[0], values):
+                raise ValueError(f"redundancy_clean: {first[1]} and {m._label()} share one weight but quantize "
+                                 "it differently (weight_quantization groups with different bits or "
+                                 "quantize_groups); give tied weights the same settings")
+            quantized.append(m)
+            if pack:  # each storage unit's scale, cut below with the rows it belongs to
+                m._clean_quantized = (scale, zero_point)
+    for m in quantized:
+        m.weight.copy_(quantized_values[id(m.weight)][0])
     for e, module, kind, keep in cuts:
         key = f"{SECTION}.{e.technique}.different_groups.{e.group}"
         if kind == "head":
@@ -134,13 +155,18 @@ def redundancy_clean(model: nn.Module, config: Any, mpu: Any = None) -> nn.Modul
         m.input_masks, m.head_outputs = [], []
         for kind in PRUNING_KINDS:
             _drop(m, kind)
-        quantized = getattr(m, "_clean_quantized", None)
-        if quantized is not None:
-            spec = m.weight_quantization
-            store = pack_values(m.weight.detach(), *quantized, m.weight_bits, spec.quantization_type)
+    for m in quantized:
+        spec = m.weight_quantization
+        if pack:
+            store = pack_values(m.weight.detach(), *m._clean_quantized, m.weight_bits, spec.quantization_type)
+            del m._clean_quantized
             for name, value in store.items():
                 m.register_buffer(f"weight_{name}", value)
             m.weight_store_type = spec.quantization_type
             m.register_parameter("weight", None)
-            del m._clean_quantized
+        else:
+            # The weight holds its quantized values now; quantizing them again in the forward
+            # would move them (a grid's largest value sets the next grid's scale).  DeepSpeed's
+            # fix_weight_quantization turns it off the same way.
+            m.weight_quantization, m.weight_quantization_enabled = None, False
     return model

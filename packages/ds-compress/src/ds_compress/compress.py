@@ -45,9 +45,18 @@ def _is(module: nn.Module, types: tuple[type[nn.Module], ...]) -> bool:
     return any(type(module) is t or type(module) is COMPRESSED.get(t) for t in types)
 
 
-def _match(model: nn.Module, pattern: str | None, types) -> list[str]:
+def _compile(pattern: str, key: str) -> re.Pattern:
+    """``pattern`` compiled; a bad regular expression is a ValueError naming the key it came from."""
+    try:
+        return re.compile(pattern)
+    except re.error as e:
+        raise ValueError(f"{key}: {pattern!r} is not a valid regular expression ({e})") from None
+
+
+def _match(model: nn.Module, pattern: str | None, types, key: str = "modules") -> list[str]:
+    regex = None if pattern is None else _compile(pattern, key)
     return [name for name, module in model.named_modules()
-            if name and _is(module, types) and (pattern is None or re.search(pattern, name))]
+            if name and _is(module, types) and (regex is None or regex.search(name))]
 
 
 def plan(model: nn.Module, config: CompressionConfig) -> list[Entry]:
@@ -58,7 +67,8 @@ def plan(model: nn.Module, config: CompressionConfig) -> list[Entry]:
         shared = section.shared_parameters
         if not shared.enabled:
             continue
-        excluded = getattr(shared, "excluded_modules", [])
+        excluded = [_compile(x, f"{SECTION}.{technique}.shared_parameters.excluded_modules")
+                    for x in getattr(shared, "excluded_modules", [])]
         owner: dict[str, str] = {}
         for group_name, group in section.different_groups.items():
             key = f"{SECTION}.{technique}.different_groups.{group_name}"
@@ -69,8 +79,8 @@ def plan(model: nn.Module, config: CompressionConfig) -> list[Entry]:
                                  f"({len(patterns)}), got {len(related_lists)}")
             for i, pattern in enumerate(patterns):
                 types = _DEFAULT.get(technique, _TARGETS[technique]) if pattern is None else _TARGETS[technique]
-                names = [n for n in _match(model, pattern, types)
-                         if not any(re.search(x, n) for x in excluded)]
+                names = [n for n in _match(model, pattern, types, f"{key}.modules")
+                         if not any(x.search(n) for x in excluded)]
                 if not names:
                     kinds = "/".join(t.__name__ for t in types)
                     raise ValueError(f"{key}.modules: pattern {pattern!r} matches no {kinds} module of the model")
@@ -81,7 +91,7 @@ def plan(model: nn.Module, config: CompressionConfig) -> list[Entry]:
                     owner[name] = group_name
                 related: list[list[str]] = [[] for _ in names]
                 for rpattern in (related_lists[i] if related_lists is not None else []):
-                    rnames = _match(model, rpattern, _RELATED[technique])
+                    rnames = _match(model, rpattern, _RELATED[technique], f"{key}.related_modules")
                     if len(rnames) != len(names):
                         raise ValueError(f"{key}.related_modules: pattern {rpattern!r} matches {len(rnames)} "
                                          f"modules {rnames[:4]} but modules pattern {pattern!r} matches "

@@ -47,8 +47,8 @@ def split_cores(num_ranks: int, core_list: str | None, available: list[int] | No
         missing = sorted(set(cores) - set(available))
         if missing:
             raise LaunchError(
-                f"--bind_core_list {core_list!r} names cores {missing} that this process may not use "
-                f"(available: {format_cores(available)})"
+                f"--bind_core_list {core_list!r} names cores {_brief(format_cores(missing))} that this "
+                f"process may not use (available: {_brief(format_cores(available))})"
             )
     if len(cores) < num_ranks:
         raise LaunchError(f"cannot bind {num_ranks} local ranks to {len(cores)} cores ({format_cores(cores)})")
@@ -59,6 +59,13 @@ def split_cores(num_ranks: int, core_list: str | None, available: list[int] | No
         slices.append(tuple(cores[start:start + size]))
         start += size
     return slices
+
+
+def _brief(text: str, limit: int = 40) -> str:
+    """A core list for a one-line message: at most ``limit`` characters, cut at a comma."""
+    if len(text) <= limit:
+        return text
+    return text[:text.rfind(",", 0, limit)] + ",..."
 
 
 def format_cores(cores) -> str:

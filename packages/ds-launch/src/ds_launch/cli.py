@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import os
 import shlex
 import shutil
@@ -110,7 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--enable_each_rank_log", metavar="DIR", default=None,
                    help="write each rank's stdout and stderr to DIR/rank<N>.log")
     b.add_argument("--save_pid", nargs="?", const="", default=None, metavar="PATH",
-                   help="write the launcher's pid to PATH (default: <tmp>/ds-launch-<pid>.pid)")
+                   help="a flag, as in DeepSpeed: write the launcher's pid to /tmp/<pid>.deepspeed; "
+                        "--save_pid=PATH writes it to PATH instead (the value only with '=')")
     b.add_argument("--kill_grace", type=_seconds, default=5.0,
                    help="seconds between SIGTERM and SIGKILL when stopping ranks (default 5)")
     b.add_argument("--dry_run", action="store_true",
@@ -127,13 +129,73 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _value_options(parser: argparse.ArgumentParser) -> dict[str, str]:
+    """Each option string that takes exactly one value -> the option's long name."""
+    out = {}
+    for action in parser._actions:
+        if action.option_strings and action.nargs is None and action.option_strings[0] != "--save_pid":
+            long = next((o for o in action.option_strings if o.startswith("--")), action.option_strings[0])
+            out.update(dict.fromkeys(action.option_strings, long))
+    return out
+
+
+def _normalize(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """Rewrite the launcher's own options (those before the program) so argparse cannot misread them.
+
+    * ``--opt VALUE`` becomes ``--opt=VALUE`` for every option that takes a value, so a value that
+      starts with '-' is taken as the value: ``--launcher_args '-mca btl_tcp_if_include eth1'``
+      (argparse would read ``-mca`` as ``-m`` with ``ca``) or ``--launcher_args --oversubscribe``.
+      A next word that is itself one of our options is left alone (argparse then says the value
+      is missing).
+    * a bare ``--save_pid`` becomes ``--save_pid=``: a flag, as in DeepSpeed; it never takes the
+      script as its path (a path is given only as ``--save_pid=PATH``).
+    """
+    values = _value_options(parser)
+    known = set(parser._option_string_actions)
+    out, i = [], 0
+    while i < len(argv):
+        word = argv[i]
+        if word == "--" or word == "-" or not word.startswith("-"):
+            return out + argv[i:]  # the program and its arguments: untouched
+        if word == "--save_pid":
+            out.append("--save_pid=")
+        elif word in values and i + 1 < len(argv) and argv[i + 1] not in known \
+                and argv[i + 1].split("=", 1)[0] not in known:
+            out.append(f"{values[word]}={argv[i + 1]}")
+            i += 1
+        else:
+            out.append(word)
+        i += 1
+    return out
+
+
+def _unknown_option(parser: argparse.ArgumentParser, word: str) -> LaunchError:
+    name = word.split("=", 1)[0]
+    longs = [o for o in parser._option_string_actions if o.startswith("--")]
+    close = difflib.get_close_matches(name, longs, n=1, cutoff=0.6)
+    hint = f"; did you mean {close[0]}?" if close else ""
+    return LaunchError(f"unrecognized option {name!r}{hint} (see ds-launch --help)")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(_normalize(parser, argv))
+    if unknown:
+        option = next((w for w in unknown if w.startswith("-")), None)
+        if option is not None:
+            raise _unknown_option(parser, option)
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    return args
+
+
 def _program(args) -> Program:
     if args.module and args.no_python:
         raise LaunchError("--module and --no_python cannot be used together")
     mode = "module" if args.module else "exec" if args.no_python else "script"
     program = Program(args.user_script, tuple(args.user_args), mode, not args.no_local_rank)
     if mode == "script" and not os.path.isfile(program.target):
-        raise LaunchError(f"user script {program.target!r} not found (working directory {os.getcwd()})")
+        hint = "; --save_pid takes no value, use --save_pid=PATH" if args.save_pid == "" else ""
+        raise LaunchError(f"user script {program.target!r} not found (working directory {os.getcwd()}){hint}")
     if mode == "exec" and shutil.which(program.target) is None:
         raise LaunchError(f"executable {program.target!r} not found on PATH or not executable")
     return program
@@ -157,7 +219,7 @@ def _resources(args):
 
 def make_plan(argv: list[str]):
     """Parse and check the command line: (args, spec, multi-node launcher or None)."""
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     program = _program(args)
     if args.bind_core_list is not None and not args.bind_cores_to_rank:
         raise LaunchError("--bind_core_list needs --bind_cores_to_rank")
@@ -244,16 +306,27 @@ def _remove(path: str) -> None:
         pass
 
 
+PID_FILE_DIR = "/tmp"  # DeepSpeed's PID_FILE_BASEPATH
+
+
 def _write_pid_file(path: str) -> str:
-    """``path`` or, when empty, a fresh file in the temporary directory; never follows a symlink."""
+    """``path`` or, when empty, DeepSpeed's ``/tmp/<pid>.deepspeed``; never follows a symlink and
+    never overwrites a file that is not a pid file (``--save_pid=train.py`` would destroy the script)."""
     if not path:
-        path = os.path.join(tempfile.gettempdir(), f"ds-launch-{os.getpid()}.pid")
+        path = os.path.join(PID_FILE_DIR, f"{os.getpid()}.deepspeed")
+    try:
+        with open(path, "rb") as f:
+            old = f.read(64)
+    except OSError:
+        old = None
+    if old is not None and old.strip() and not old.strip().isdigit():
+        raise LaunchError(f"--save_pid={path}: the file exists and does not hold a pid; refusing to overwrite it")
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(f"{os.getpid()}\n")
     except OSError as e:
-        raise LaunchError(f"--save_pid {path}: cannot write the pid file: {e.strerror}") from None
+        raise LaunchError(f"--save_pid={path}: cannot write the pid file: {e.strerror}") from None
     return path
 
 

@@ -13,13 +13,16 @@ import argparse
 import importlib
 import importlib.util
 import json
+import os
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from .api import MODES, profiled_call
+from .profiler import _write_atomically
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "float64": torch.float64, "int64": torch.int64, "int32": torch.int32}
@@ -85,6 +88,47 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _check_writable(option: str, text: str) -> Path:
+    """Fail before the run, not after it: ``text`` must be a file that can be created or replaced."""
+    path = Path(text)
+    if path.is_dir():
+        raise UsageError(f"{option} {text}: is a directory, expected a file path")
+    blocker = next((p for p in path.parents if p.exists()), None)
+    if blocker is not None and not blocker.is_dir():
+        raise UsageError(f"{option} {text}: cannot write there: {blocker} is not a directory")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".probe")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as error:
+        raise UsageError(f"{option} {text}: cannot write there: {error.strerror or error}") from None
+    if path.exists() and not os.access(path, os.W_OK):
+        raise UsageError(f"{option} {text}: the file exists and is not writable")
+    return path
+
+
+def _check_device(text: str) -> torch.device:
+    try:
+        device = torch.device(text)
+    except RuntimeError as error:
+        raise UsageError(f"--device {text!r} is not a torch device: {error}") from error
+    if device.type in ("cpu", "meta"):
+        return device
+    backend = getattr(torch, device.type, None)
+    is_available = getattr(backend, "is_available", None)
+    if callable(is_available) and not is_available():
+        name = "CUDA" if device.type == "cuda" else device.type
+        raise UsageError(f"--device {text}: {name} is not available on this machine (torch {torch.__version__}"
+                         f"{', built without CUDA' if device.type == 'cuda' and torch.version.cuda is None else ''}); "
+                         "use --device cpu")
+    count = getattr(backend, "device_count", None)
+    if device.index is not None and callable(count) and device.index >= count():
+        raise UsageError(f"--device {text}: this machine has {count()} {device.type} device(s), "
+                         f"indices 0 to {count() - 1}")
+    return device
+
+
 def _make_input(model: nn.Module, shape: tuple[int, ...], dtype_name: str | None, device: torch.device) -> torch.Tensor:
     if dtype_name is None:
         dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
@@ -108,10 +152,10 @@ def run(argv: list[str] | None = None) -> int:
     if args.warm_up < 0 or args.top_modules < 1 or args.module_depth < -1:
         raise UsageError(f"need --warm-up >= 0, --top-modules >= 1, --module-depth >= -1; got "
                          f"{args.warm_up}, {args.top_modules}, {args.module_depth}")
-    try:
-        device = torch.device(args.device)
-    except RuntimeError as error:
-        raise UsageError(f"--device {args.device!r} is not a torch device: {error}") from error
+    device = _check_device(args.device)
+    json_path = _check_writable("--json", args.json) if args.json else None
+    if args.output_file:
+        _check_writable("--output-file", args.output_file)
     factory = _load_callable(args.model)
     model = factory(**call_kwargs)
     if not isinstance(model, nn.Module):
@@ -130,7 +174,7 @@ def run(argv: list[str] | None = None) -> int:
                       "flops": profiler.get_total_flops(), "macs": profiler.get_total_macs(),
                       "params": profiler.get_total_params(), "duration": profiler.get_total_duration(),
                       "profile": profiler.get_profile().to_dict()}
-            Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+            _write_atomically(json_path, json.dumps(report, indent=2) + "\n")
     return 0
 
 

@@ -330,9 +330,13 @@ class FlopsProfiler:
                 summary.world_size = summary.dp_size = torch.distributed.get_world_size()
             return summary
         summary.from_engine = True
-        summary.world_size = int(_engine_value(engine, "world_size", 1))
-        summary.mp_size = int(_engine_value(engine, "mp_world_size", 1))
-        summary.dp_size = int(_engine_value(engine, "dp_world_size", summary.world_size // summary.mp_size))
+        summary.world_size = _engine_size(engine, "world_size", 1)
+        summary.mp_size = _engine_size(engine, "mp_world_size", 1)
+        # DeepSpeed's engine reports dp_world_size=None under Ulysses sequence parallelism; its
+        # profiler then shows seq_dp_world_size, the effective data-parallel replication (#7483).
+        summary.dp_size = _engine_size(engine, "dp_world_size", None)
+        if summary.dp_size is None:
+            summary.dp_size = _engine_size(engine, "seq_dp_world_size", max(1, summary.world_size // summary.mp_size))
         batch = _engine_value(engine, "train_micro_batch_size_per_gpu", None)
         summary.batch_size = int(batch) if batch is not None else None
         if _engine_value(engine, "wall_clock_breakdown", False) and hasattr(engine, "timers"):
@@ -348,6 +352,20 @@ class FlopsProfiler:
 def _engine_value(engine, name: str, default):
     value = getattr(engine, name, default)
     return value() if callable(value) else value
+
+
+def _engine_size(engine, name: str, default):
+    """A parallel size read from the engine; absent or None gives ``default``."""
+    value = _engine_value(engine, name, None)
+    if value is None:
+        return default
+    try:
+        size = int(value)
+    except (TypeError, ValueError):
+        size = 0
+    if size < 1 or size != value:
+        raise ValueError(f"ds_engine.{name} must be a positive integer or None, got {value!r}")
+    return size
 
 
 def _split_ignore_list(ignore_list) -> tuple[tuple[type, ...], set[int]]:
