@@ -80,7 +80,7 @@ def test_misspelled_section_is_named_as_a_section(tmp_path):
                                    {"modules": ["dense"], "related_modules": [["out[put"]]}])
 def test_bad_regex_names_the_key_and_the_pattern(group):
     with pytest.raises(ValueError, match=r"compression_training\.row_pruning\.different_groups\.rp1\.\w+: "
-                                         r"'.*' is not a regular expression: "):
+                                         r"'.*' is not a valid regular expression \("):
         CompressionConfig.load({"row_pruning": {"different_groups": {"rp1": group}}})
 
 

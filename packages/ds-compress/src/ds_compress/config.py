@@ -39,7 +39,7 @@ def _compiles(patterns: list[str]) -> None:
         try:
             re.compile(pattern)
         except re.error as e:
-            raise ValueError(f"{pattern!r} is not a regular expression: {e}") from None
+            raise ValueError(f"{pattern!r} is not a valid regular expression ({e})") from None
 
 
 class _Group(_Section):
@@ -232,6 +232,12 @@ class SparsePruningSharedConfig(_Section):
     @classmethod
     def _ratio(cls, value: float) -> float:
         return _dense_ratio(value)
+
+    @field_validator("excluded_modules")
+    @classmethod
+    def _excluded(cls, value: list[str]) -> list[str]:
+        _compiles(value)
+        return value
 
     @field_validator("block_pattern")
     @classmethod
