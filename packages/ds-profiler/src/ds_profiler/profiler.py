@@ -14,11 +14,11 @@ import logging
 import math
 import os
 import sys
-import tempfile
 from functools import partial
 from pathlib import Path
 
 import torch
+from ds_config import write_atomic
 from torch import nn
 
 from . import _report
@@ -396,12 +396,6 @@ def _device_type(model: nn.Module, args, kwargs) -> str:
 
 
 def _write_atomically(path: Path, text: str) -> None:
+    """``text`` to ``path`` (its directory made if missing), crash-safe (ds-config's write_atomic)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomic(path, text)
