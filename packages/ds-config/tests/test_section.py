@@ -91,6 +91,13 @@ def test_json_leniency_integral_floats_boolean_strings_and_tuples():
     assert z.groups["a"].pin_memory is False
     assert Zero(bucket="auto").bucket == "auto" and Zero(bucket=1e3).bucket == 1000
 
+    class Switch(Section):
+        on: bool | Literal["auto"] = Field(False, description="A boolean or 'auto'.")
+        mode: Literal["true", "x"] | bool = Field(False, description="A literal that is the string.")
+
+    assert Switch(on="true").on is True and Switch(on="auto").on == "auto"
+    assert Switch(mode="true").mode == "true" and Switch(mode=True).mode is True
+
 
 def test_alias_and_name_both_accepted_and_models_are_frozen():
     assert Zero(threads=3).thread_count == 3 == Zero(thread_count=3).thread_count

@@ -74,6 +74,7 @@ def _json_policy(annotation: Any, value: Any) -> Any:
     integer fits, the strings "true"/"false" (which DeepSpeed's tools write) are booleans where only a
     boolean fits, and a tuple is a list. Everything else is validated strictly."""
     kinds: set[type] = set()
+    choices: set[Any] = set()
     items = None
     for member in _members(annotation):
         origin = typing.get_origin(member)
@@ -81,12 +82,13 @@ def _json_policy(annotation: Any, value: Any) -> Any:
             kinds.add(list)
             items = (typing.get_args(member) or (None,))[0]
         elif origin is Literal:
-            kinds.update(type(choice) for choice in typing.get_args(member))
+            choices.update(typing.get_args(member))
         elif isinstance(member, type):
             kinds.add(member)
     if isinstance(value, float) and value.is_integer() and int in kinds and float not in kinds:
         return int(value)
-    if isinstance(value, str) and value.lower() in ("true", "false") and bool in kinds and str not in kinds:
+    if (isinstance(value, str) and value.lower() in ("true", "false") and bool in kinds and str not in kinds
+            and value not in choices):
         return value.lower() == "true"
     if isinstance(value, tuple) and list in kinds:
         value = list(value)
