@@ -15,8 +15,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-import ds_comm
 import torch
+
+import ds_comm
 
 
 def make_data(rank: int, world_size: int, samples: int = 256, features: int = 8):

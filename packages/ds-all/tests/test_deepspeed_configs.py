@@ -8,9 +8,10 @@ import json
 from pathlib import Path
 
 import pytest
+from ds_config import DEEPSPEED_KEYS, Section
+
 from ds_comm import CommsLoggerConfig
 from ds_compress import CompressionConfig
-from ds_config import DEEPSPEED_KEYS, Section
 from ds_io import AioConfig
 from ds_ops import SparseAttentionConfig
 from ds_profiler import FlopsProfilerConfig

@@ -3,7 +3,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from ds_config import ConfigError as ValidationError
 
 from ds_compress import CompressionConfig, init_compression
@@ -68,7 +67,7 @@ def test_bad_values_name_the_key(data, words):
 
 def test_misspelled_section_is_named_as_a_section(tmp_path):
     for whole in ({"compresion_training": {}}, {"train_batch_size": 8, "compression_trainig": {}}):
-        with pytest.raises(ValueError, match="^unknown section 'compres\\w+'; did you mean 'compression_training'"):
+        with pytest.raises(ValueError, match=r"^unknown section 'compres\w+'; did you mean 'compression_training'"):
             CompressionConfig.load(whole)
         path = tmp_path / "ds_config.json"
         path.write_text(json.dumps(whole))

@@ -7,9 +7,8 @@ import json
 from typing import Literal
 
 import pytest
-from pydantic import Field, model_validator
-
 from ds_config import DEEPSPEED_KEYS, ConfigError, Section, load_ds_config
+from pydantic import Field, model_validator
 
 
 class Offload(Section):
@@ -143,7 +142,7 @@ def test_load_ds_config_errors_name_the_file(tmp_path):
     bad.write_text('{"a": 1,\n "b": }')
     with pytest.raises(ValueError, match=r"bad.json:2:\d+: not valid JSON"):
         load_ds_config(bad)
-    with pytest.raises(ValueError, match="cannot read the config file .*missing.json"):
+    with pytest.raises(ValueError, match=r"cannot read the config file .*missing\.json"):
         load_ds_config(tmp_path / "missing.json")
     (tmp_path / "list.json").write_text("[1]")
     with pytest.raises(ValueError, match="is a JSON object, got list"):

@@ -8,7 +8,6 @@ import subprocess
 import sys
 
 import pytest
-
 from ds_config import write_atomic
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from ds_config import ConfigError
 
 from ds_io import AioConfig

@@ -143,7 +143,7 @@ def test_config_section_builds_each_mode():
     with pytest.raises(ValueError, match="mode"):
         SparseAttentionConfig.model_validate({"mode": "sliding"})
     # one strictness policy (ds-config): true is no block size, 16.0 is
-    with pytest.raises(ValueError, match="sparse_attention.block: must be an integer, got True"):
+    with pytest.raises(ValueError, match=r"sparse_attention\.block: must be an integer, got True"):
         SparseAttentionConfig(block=True)
     assert SparseAttentionConfig.model_validate({"block": 16.0}).block == 16
     assert SparseAttentionConfig.from_ds_config({"sparse_attention": {"mode": "bigbird"}}).mode == "bigbird"

@@ -63,9 +63,9 @@ def test_hugging_face_auto_values_are_kept_for_the_engine_to_resolve():
                                    "stage3_param_persistence_threshold": "auto"})
     assert (z.reduce_bucket_size, z.prefetch_bucket_size, z.param_persistence_threshold) == ("auto",) * 3
     assert FP16Config(enabled="auto").enabled == "auto"
-    with pytest.raises(ValueError, match='fp16.enabled is "auto"'):
+    with pytest.raises(ValueError, match=r'fp16\.enabled is "auto"'):
         mixed_precision(FP16Config(enabled="auto"))
-    with pytest.raises(ConfigError, match="zero_optimization.allgather_bucket_size: must be an integer, got 'auto'"):
+    with pytest.raises(ConfigError, match=r"zero_optimization\.allgather_bucket_size: must be an integer, got 'auto'"):
         ZeroConfig(allgather_bucket_size="auto")  # DeepSpeed has no "auto" there either
 
 
@@ -142,5 +142,5 @@ def test_fp16_and_bf16_together_is_a_contradiction():
     assert mixed_precision() == "fp32"
     assert mixed_precision(FP16Config(enabled=True)) == "fp16"
     assert mixed_precision(bf16=BF16Config(enabled="true")) == "bf16"
-    with pytest.raises(ValueError, match="fp16.enabled and bf16.enabled are both true"):
+    with pytest.raises(ValueError, match=r"fp16\.enabled and bf16\.enabled are both true"):
         mixed_precision(FP16Config(enabled=True), BF16Config(enabled=True))

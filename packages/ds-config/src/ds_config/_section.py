@@ -14,17 +14,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 # DeepSpeed's top-level config keys: a whole config is recognised by them, and a key that is none of
 # them but close to a section's name is reported as a misspelling of that section.
-DEEPSPEED_KEYS = frozenset("""
-    train_batch_size train_micro_batch_size_per_gpu gradient_accumulation_steps optimizer scheduler
-    communication_data_type prescale_gradients gradient_predivide_factor sparse_gradients fp16 bf16 amp
-    gradient_clipping zero_optimization zero_allow_untested_optimizer zero_force_ds_cpu_optimizer aio
-    activation_checkpointing flops_profiler comms_logger tensorboard wandb csv_monitor comet autotuning
-    elasticity sparse_attention compression_training data_efficiency curriculum_learning checkpoint
-    data_types steps_per_print wall_clock_breakdown dump_state memory_breakdown disable_allgather pipeline
-    dataloader_drop_last eigenvalue progressive_layer_drop quantize_training timers hybrid_engine nebula
-    seq_parallel_communication_data_type graph_harvesting use_node_local_storage weight_quantization
-    zero_quantized_weights zero_quantized_gradients load_universal_checkpoint
-""".split())
+DEEPSPEED_KEYS = frozenset(["train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "optimizer", "scheduler", "communication_data_type", "prescale_gradients", "gradient_predivide_factor", "sparse_gradients", "fp16", "bf16", "amp", "gradient_clipping", "zero_optimization", "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "aio", "activation_checkpointing", "flops_profiler", "comms_logger", "tensorboard", "wandb", "csv_monitor", "comet", "autotuning", "elasticity", "sparse_attention", "compression_training", "data_efficiency", "curriculum_learning", "checkpoint", "data_types", "steps_per_print", "wall_clock_breakdown", "dump_state", "memory_breakdown", "disable_allgather", "pipeline", "dataloader_drop_last", "eigenvalue", "progressive_layer_drop", "quantize_training", "timers", "hybrid_engine", "nebula", "seq_parallel_communication_data_type", "graph_harvesting", "use_node_local_storage", "weight_quantization", "zero_quantized_weights", "zero_quantized_gradients", "load_universal_checkpoint"])
 
 
 class ConfigError(ValueError):
@@ -136,7 +126,7 @@ def _walk(model: type[BaseModel], loc: tuple) -> tuple[list[str], type[BaseModel
             current = field.annotation if field is not None else None
         elif any(key == getattr(m, "__name__", None) for m in models):
             current = next(m for m in models if key == m.__name__)  # a union tag naming a model
-        elif len(options) > 1 or current is None and not path:
+        elif len(options) > 1 or (current is None and not path):
             continue  # a union tag such as 'int' or "literal['auto']"
         else:
             path.append(str(key))
