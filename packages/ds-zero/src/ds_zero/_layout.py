@@ -1,0 +1,117 @@
+"""Where every parameter lives in ZeRO's flat buffers, and which rank owns which part.
+
+Parameters are laid out in reverse order (the order backward produces their gradients), grouped into
+buckets of at most ``bucket_size`` elements (a larger parameter is a bucket of its own). Each bucket is
+padded so that it splits into ``world_size`` equal shards of a multiple of ``align`` elements; rank
+``r`` owns shard ``r`` of every bucket. So a bucket's gradients reduce-scatter and its parameters
+all-gather as one contiguous, evenly split range of the flat buffer, and a rank's partition (the
+concatenation of its shards) is one contiguous buffer of ``shard_numel`` elements.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One parameter: its index in the caller's list, shape, and range of the flat buffer."""
+
+    index: int
+    shape: torch.Size
+    offset: int
+    numel: int
+    bucket: int
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """A contiguous range of the flat buffer, ``world_size`` shards of ``shard`` elements."""
+
+    index: int
+    offset: int
+    numel: int  # elements of parameters in it (the rest is padding at its end)
+    padded: int  # numel rounded up to world_size shards of a multiple of align
+    shard: int  # padded // world_size
+    slots: tuple[int, ...]  # the parameters in it (indices of the caller's list), in flat order
+
+
+@dataclass(frozen=True)
+class Piece:
+    """The part of one parameter that falls in one rank's partition."""
+
+    index: int  # the parameter's index in the caller's list
+    param_offset: int  # first element of the parameter (flattened) in this piece
+    numel: int
+    partition_offset: int  # where the piece starts in the rank's partition
+
+
+class FlatLayout:
+    """The flat layout of ``shapes`` for ``world_size`` ranks (see the module docstring)."""
+
+    def __init__(self, shapes: Sequence[torch.Size | Sequence[int]], *, world_size: int, bucket_size: int,
+                 align: int = 1):
+        for name, value in (("world_size", world_size), ("bucket_size", bucket_size), ("align", align)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"FlatLayout: {name} must be a positive integer, got {value!r}")
+        if not shapes:
+            raise ValueError("FlatLayout: no parameters to lay out")
+        self.world_size, self.bucket_size, self.align = world_size, bucket_size, align
+        shapes = [torch.Size(s) for s in shapes]
+        order = list(range(len(shapes)))[::-1]
+        groups: list[list[int]] = []
+        size = 0
+        for index in order:
+            numel = shapes[index].numel()
+            if groups and size + numel <= bucket_size:
+                groups[-1].append(index)
+                size += numel
+            else:
+                groups.append([index])
+                size = numel
+        self.slots: list[Slot] = [None] * len(shapes)  # type: ignore[list-item]
+        self.buckets: list[Bucket] = []
+        offset = 0
+        unit = world_size * align
+        for b, group in enumerate(groups):
+            start = offset
+            for index in group:
+                self.slots[index] = Slot(index, shapes[index], offset, shapes[index].numel(), b)
+                offset += shapes[index].numel()
+            numel = offset - start
+            padded = max(unit, -(-numel // unit) * unit)
+            self.buckets.append(Bucket(b, start, numel, padded, padded // world_size, tuple(group)))
+            offset = start + padded
+        self.numel = offset  # the flat buffer, padding included
+        self.param_numel = sum(s.numel for s in self.slots)
+        self.shard_numel = sum(b.shard for b in self.buckets)  # one rank's partition
+
+    def shard_range(self, bucket: Bucket, rank: int) -> tuple[int, int]:
+        """``(start, length)`` of ``rank``'s shard of ``bucket`` in the flat buffer."""
+        return bucket.offset + rank * bucket.shard, bucket.shard
+
+    def partition_offsets(self) -> list[int]:
+        """Where each bucket's shard starts in a rank's partition."""
+        offsets, at = [], 0
+        for bucket in self.buckets:
+            offsets.append(at)
+            at += bucket.shard
+        return offsets
+
+    def pieces(self, rank: int) -> list[Piece]:
+        """The parts of parameters in ``rank``'s partition, in partition order (padding omitted)."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"FlatLayout.pieces: rank must be in 0..{self.world_size - 1}, got {rank}")
+        out = []
+        for bucket, at in zip(self.buckets, self.partition_offsets()):
+            start, length = self.shard_range(bucket, rank)
+            end = start + length
+            for index in bucket.slots:
+                slot = self.slots[index]
+                lo, hi = max(start, slot.offset), min(end, slot.offset + slot.numel)
+                if lo < hi:
+                    out.append(Piece(index, lo - slot.offset, hi - lo, at + lo - start))
+        return out

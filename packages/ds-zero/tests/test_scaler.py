@@ -1,0 +1,73 @@
+"""fp16 loss scaling follows the reference's window / hysteresis / floor rules on scripted sequences
+(the expected scales are worked out by hand from the rules, step by step)."""
+
+from __future__ import annotations
+
+import pytest
+
+from ds_zero import FP16Config
+from ds_zero._scaler import LossScaler
+
+
+def _run(config: FP16Config, overflows: list[bool]) -> list[float]:
+    scaler = LossScaler(config)
+    out = []
+    for overflow in overflows:
+        scaler.update(overflow)
+        out.append(scaler.scale)
+    return out
+
+
+def test_window_and_hysteresis():
+    config = FP16Config(enabled=True, initial_scale_power=4, loss_scale_window=3, hysteresis=2)
+    O, C = True, False
+    # step 0: the first overflow spends the hysteresis (16 stays); step 1: halved to 8; steps 2-4: the
+    # third clean step after the overflow at 1 doubles to 16 and refills the hysteresis; 5: spends it;
+    # 7: halves; 10: three clean steps after 7 double again.
+    assert _run(config, [O, O, C, C, C, O, C, O, C, C, C]) == [16, 8, 8, 8, 16, 16, 16, 8, 8, 8, 16]
+
+
+def test_consecutive_hysteresis_needs_consecutive_overflows():
+    config = FP16Config(enabled=True, initial_scale_power=4, loss_scale_window=100, hysteresis=2,
+                        consecutive_hysteresis=True)
+    O, C = True, False
+    assert _run(config, [O, C, O, C, O, O]) == [16, 16, 16, 16, 16, 8]
+    plain = config.model_copy(update={"consecutive_hysteresis": False})
+    assert _run(plain, [O, C, O]) == [16, 16, 8]
+
+
+def test_clean_steps_double_every_window():
+    config = FP16Config(enabled=True, initial_scale_power=2, loss_scale_window=2)
+    # steps count from 0 and the last overflow from -1: the window is full after steps 1, 3, 5
+    assert _run(config, [False] * 6) == [4, 8, 8, 16, 16, 32]
+
+
+def test_floor_and_overflow_at_the_floor():
+    config = FP16Config(enabled=True, initial_scale_power=3, hysteresis=1, min_loss_scale=4)
+    scaler = LossScaler(config)
+    scaler.update(True)
+    assert scaler.scale == 4
+    with pytest.raises(RuntimeError, match="overflow at the minimum loss scale 4"):
+        scaler.update(True)
+    odd = LossScaler(FP16Config(enabled=True, initial_scale_power=3, hysteresis=1, min_loss_scale=3))
+    odd.update(True)
+    assert odd.scale == 4 and (odd.update(True) or odd.scale == 3)  # halving stops at the floor
+
+
+def test_static_scale_never_changes():
+    assert _run(FP16Config(enabled=True, loss_scale=128), [True, False, True] * 3) == [128.0] * 9
+
+
+def test_state_round_trip():
+    config = FP16Config(enabled=True, initial_scale_power=4, loss_scale_window=3, hysteresis=2)
+    a = LossScaler(config)
+    for overflow in (True, True, False):
+        a.update(overflow)
+    b = LossScaler(config)
+    b.load_state_dict(a.state_dict())
+    for overflow in (False, False, True, True):
+        a.update(overflow)
+        b.update(overflow)
+        assert a.scale == b.scale
+    with pytest.raises(ValueError, match="lacks"):
+        b.load_state_dict({"scale": 1.0})
