@@ -20,20 +20,20 @@ def _run(config: FP16Config, overflows: list[bool]) -> list[float]:
 
 def test_window_and_hysteresis():
     config = FP16Config(enabled=True, initial_scale_power=4, loss_scale_window=3, hysteresis=2)
-    O, C = True, False
+    X, C = True, False  # overflow, clean
     # step 0: the first overflow spends the hysteresis (16 stays); step 1: halved to 8; steps 2-4: the
     # third clean step after the overflow at 1 doubles to 16 and refills the hysteresis; 5: spends it;
     # 7: halves; 10: three clean steps after 7 double again.
-    assert _run(config, [O, O, C, C, C, O, C, O, C, C, C]) == [16, 8, 8, 8, 16, 16, 16, 8, 8, 8, 16]
+    assert _run(config, [X, X, C, C, C, X, C, X, C, C, C]) == [16, 8, 8, 8, 16, 16, 16, 8, 8, 8, 16]
 
 
 def test_consecutive_hysteresis_needs_consecutive_overflows():
     config = FP16Config(enabled=True, initial_scale_power=4, loss_scale_window=100, hysteresis=2,
                         consecutive_hysteresis=True)
-    O, C = True, False
-    assert _run(config, [O, C, O, C, O, O]) == [16, 16, 16, 16, 16, 8]
+    X, C = True, False  # overflow, clean
+    assert _run(config, [X, C, X, C, X, X]) == [16, 16, 16, 16, 16, 8]
     plain = config.model_copy(update={"consecutive_hysteresis": False})
-    assert _run(plain, [O, C, O]) == [16, 16, 8]
+    assert _run(plain, [X, C, X]) == [16, 16, 8]
 
 
 def test_clean_steps_double_every_window():

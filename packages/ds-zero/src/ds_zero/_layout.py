@@ -106,7 +106,7 @@ class FlatLayout:
         if not 0 <= rank < self.world_size:
             raise ValueError(f"FlatLayout.pieces: rank must be in 0..{self.world_size - 1}, got {rank}")
         out = []
-        for bucket, at in zip(self.buckets, self.partition_offsets()):
+        for bucket, at in zip(self.buckets, self.partition_offsets(), strict=True):
             start, length = self.shard_range(bucket, rank)
             end = start + length
             for index in bucket.slots:
