@@ -67,8 +67,13 @@ int64_t adam_span(P* p, const G* g, S* m, S* v, O* out, int64_t i, int64_t end, 
   return i;
 }
 
-// Chunks of the finite check: the stop flag is read once per chunk.
-constexpr int64_t kCheckChunk = 1 << 14;
+// Chunks of the finite check: the stop flag is read once per chunk. Software prefetch keeps more
+// reads in flight than the hardware prefetchers do (as in the update, see dispatch.h).
+constexpr int64_t kCheckChunk = 1 << 14, kLine = 64;
+#ifndef DS_CHECK_AHEAD
+#define DS_CHECK_AHEAD 4096
+#endif
+constexpr int64_t kCheckAhead = DS_CHECK_AHEAD;
 
 template <class B, class G>
 int64_t finite_span(const G* g, int64_t i, int64_t end, float multiplier, std::atomic<bool>& bad) {
@@ -77,9 +82,18 @@ int64_t finite_span(const G* g, int64_t i, int64_t end, float multiplier, std::a
   while (i + B::W <= end) {
     if (bad.load(std::memory_order_relaxed)) return end;
     const int64_t stop = std::min(end, i + kCheckChunk);
-    V poison = zero;
-    for (; i + B::W <= stop; i += B::W) poison = B::fmadd(B::mul(B::load(g + i), mult), zero, poison);
-    if (is_nan_sum<B>(poison)) {
+    // four independent sums: one chain would wait on the fma latency, not on memory
+    V p0 = zero, p1 = zero, p2 = zero, p3 = zero;
+    for (; i + 4 * B::W <= stop; i += 4 * B::W) {
+      for (int64_t line = 0; line < 4 * B::W; line += kLine / static_cast<int64_t>(sizeof(G)))
+        prefetch(g + i + kCheckAhead + line);
+      p0 = B::fmadd(B::mul(B::load(g + i), mult), zero, p0);
+      p1 = B::fmadd(B::mul(B::load(g + i + B::W), mult), zero, p1);
+      p2 = B::fmadd(B::mul(B::load(g + i + 2 * B::W), mult), zero, p2);
+      p3 = B::fmadd(B::mul(B::load(g + i + 3 * B::W), mult), zero, p3);
+    }
+    for (; i + B::W <= stop; i += B::W) p0 = B::fmadd(B::mul(B::load(g + i), mult), zero, p0);
+    if (is_nan_sum<B>(B::add(B::add(p0, p1), B::add(p2, p3)))) {
       bad.store(true, std::memory_order_relaxed);
       return end;
     }
