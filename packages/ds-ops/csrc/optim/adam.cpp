@@ -1,9 +1,10 @@
 // CPU-Adam / AdamW: one fused pass over memory per step, vectorised, threads over one
 // concatenated index space (see parallel.h). Matches torch.optim.Adam/AdamW's formulas:
 //   m = lerp(m, g, 1-b1); v = b2*v + (1-b2)*g*g; p -= lr/bc1 * m / (sqrt(v)/sqrt(bc2) + eps)
-// with g = gradient * grad_multiplier (1 / loss scale): the unscaling costs one multiply in the
-// same pass. The same pass also notices a non-finite g (g*0 is nan exactly when g is inf or nan:
-// one fused multiply-add per vector, no branch), and `all_finite` checks before anything is written.
+// with g = gradient * grad_multiplier (1 / loss scale) when `scaled`: the unscaling costs one
+// multiply in the same pass, which also notices a non-finite g (g*0 is nan exactly when g is inf
+// or nan: one fused multiply-add per vector, no branch). Unscaled steps (the optimizer classes)
+// run a variant without those two instructions. `all_finite` checks before anything is written.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -22,7 +23,7 @@ inline bool is_nan_sum(typename B::V acc) {
   return total != total;
 }
 
-template <class B, class P, class G, class S, class O>
+template <class B, bool kScaled, class P, class G, class S, class O>
 int64_t adam_span(P* p, const G* g, S* m, S* v, O* out, int64_t i, int64_t end, const AdamArgs& a,
                   uint32_t seed, bool* nonfinite) {
   using V = typename B::V;
@@ -39,8 +40,11 @@ int64_t adam_span(P* p, const G* g, S* m, S* v, O* out, int64_t i, int64_t end, 
   for (; i + B::W <= end; i += B::W, rounding.advance()) {
     prefetch(p + i + kPrefetchAhead, g + i + kPrefetchAhead, m + i + kPrefetchAhead, v + i + kPrefetchAhead);
     V param = B::load(p + i);
-    V grad = B::mul(B::load(g + i), multiplier);
-    poison = B::fmadd(grad, zero, poison);
+    V grad = B::load(g + i);
+    if constexpr (kScaled) {
+      grad = B::mul(grad, multiplier);
+      poison = B::fmadd(grad, zero, poison);
+    }
     if (l2_decay) grad = B::fmadd(param, l2, grad);
     if (decoupled) param = B::mul(param, decay);
     V mm = B::load(m + i), vv = B::load(v + i);
@@ -63,7 +67,9 @@ int64_t adam_span(P* p, const G* g, S* m, S* v, O* out, int64_t i, int64_t end, 
     store_state<B>(v, i, vv, B::high16(noise));
     if constexpr (!std::is_same_v<O, NoOut>) B::store(out + i, param);
   }
-  if (is_nan_sum<B>(poison)) *nonfinite = true;
+  if constexpr (kScaled) {
+    if (is_nan_sum<B>(poison)) *nonfinite = true;
+  }
   return i;
 }
 
@@ -135,8 +141,13 @@ bool adam_update(const Pointers& params, const Pointers& grads, const Pointers& 
       S* v = as_ptr<S>(exp_avg_sq[t]);
       O* out = std::is_same_v<O, NoOut> ? nullptr : as_ptr<O>(outs[t]);
       const uint32_t seed_t = stream_seed(seed, t);
-      int64_t i = adam_span<Simd>(p, g, m, v, out, begin, end, args, seed_t, &seen);
-      adam_span<Scalar>(p, g, m, v, out, i, end, args, seed_t, &seen);
+      if (args.scaled) {
+        const int64_t i = adam_span<Simd, true>(p, g, m, v, out, begin, end, args, seed_t, &seen);
+        adam_span<Scalar, true>(p, g, m, v, out, i, end, args, seed_t, &seen);
+      } else {
+        const int64_t i = adam_span<Simd, false>(p, g, m, v, out, begin, end, args, seed_t, &seen);
+        adam_span<Scalar, false>(p, g, m, v, out, i, end, args, seed_t, &seen);
+      }
       if (seen) nonfinite.store(true, std::memory_order_relaxed);
     });
   };

@@ -19,12 +19,12 @@ PYBIND11_MODULE(DS_OP_MODULE, m) {
         [](const Pointers& params, const Pointers& grads, const Pointers& exp_avg, const Pointers& exp_avg_sq,
            const Pointers& outs, const Sizes& sizes, int param_dtype, int grad_dtype, int state_dtype,
            int out_dtype, double lr, double beta1, double beta2, double eps, double weight_decay,
-           double bias_correction1, double bias_correction2, bool adamw, double grad_multiplier, uint32_t seed,
-           int num_threads) {
+           double bias_correction1, double bias_correction2, bool adamw, double grad_multiplier, bool scaled,
+           uint32_t seed, int num_threads) {
           return ds::adam_update(params, grads, exp_avg, exp_avg_sq, outs, sizes, param_dtype, grad_dtype,
                                  state_dtype, out_dtype,
                                  {lr, beta1, beta2, eps, weight_decay, bias_correction1, bias_correction2, adamw,
-                                  grad_multiplier},
+                                  grad_multiplier, scaled},
                                  seed, num_threads);
         },
         nogil);

@@ -14,14 +14,16 @@ struct AdamArgs {  // double: 1 - beta2 of a float beta2 would be off by 1e-5 re
   double lr, beta1, beta2, eps, weight_decay;
   double bias_correction1, bias_correction2;  // 1 - beta^step, or 1 without bias correction
   bool adamw;                                 // decoupled weight decay (AdamW) vs L2 (Adam)
-  double grad_multiplier;                     // every gradient is multiplied by it (1 / loss scale)
+  double grad_multiplier;                     // every gradient is multiplied by it (1 / loss scale) ...
+  bool scaled;                                // ... when set, which also reports non-finite gradients
 };
 
 // One fused pass per element: read p, g, m, v; write p, m, v (and the 16-bit copy of p when
 // `out_dtype` >= 0). `state_dtype` kBF16 stores m and v as bf16 with stochastic rounding.
 // Parameters are fp32 (gradients of any dtype), or fp16/bf16 with gradients of the same dtype.
-// Returns true when a gradient (times grad_multiplier) was inf or nan; the update has then
-// been written anyway (callers that must not write check with `all_finite` first).
+// With `scaled`: returns true when a gradient (times grad_multiplier) was inf or nan; the update
+// has then been written anyway (callers that must not write check with `all_finite` first).
+// Without: gradients are used as they are, and it returns false.
 bool adam_update(const Pointers& params, const Pointers& grads, const Pointers& exp_avg,
                  const Pointers& exp_avg_sq, const Pointers& outs, const Sizes& sizes, int param_dtype,
                  int grad_dtype, int state_dtype, int out_dtype, const AdamArgs& args, uint32_t seed,

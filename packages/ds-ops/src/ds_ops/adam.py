@@ -136,9 +136,10 @@ def _check_buffer(name: str, what: str, t: torch.Tensor, numel: int, dtypes: tup
 
 def _launch(params, grads, exp_avg, exp_avg_sq, copies, *, step: float, lr: float, beta1: float, beta2: float,
             eps: float, weight_decay: float, adamw: bool, bias_correction: bool, grad_multiplier: float,
-            check_finite: bool, seed: int) -> bool:
+            check_finite: bool, seed: int, report_inf: bool = True) -> bool:
     """The kernel call behind adam_step and the optimizer classes (inputs already checked; one
-    dtype per role). Returns found_inf."""
+    dtype per role). Returns found_inf (always False with report_inf=False and no check: the
+    optimizer classes, which neither scale nor look, run the kernel without those instructions)."""
     kernel = CPUAdamBuilder().load()
     sizes, threads = [p.numel() for p in params], common.num_threads()
     grad_pointers, grad_code = [g.data_ptr() for g in grads], common.DTYPE_CODES[grads[0].dtype]
@@ -147,11 +148,12 @@ def _launch(params, grads, exp_avg, exp_avg_sq, copies, *, step: float, lr: floa
     bc1 = 1.0 - beta1**step if bias_correction else 1.0
     bc2 = 1.0 - beta2**step if bias_correction else 1.0
     out_code = -1 if copies[0] is None else common.DTYPE_CODES[copies[0].dtype]
+    scaled = grad_multiplier != 1.0 or (report_inf and not check_finite)
     return kernel.adam_update([p.data_ptr() for p in params], grad_pointers, [m.data_ptr() for m in exp_avg],
                               [v.data_ptr() for v in exp_avg_sq], [0 if c is None else c.data_ptr() for c in copies],
                               sizes, common.DTYPE_CODES[params[0].dtype], grad_code, _STATE_CODES[exp_avg[0].dtype],
-                              out_code, lr, beta1, beta2, eps, weight_decay, bc1, bc2, adamw, grad_multiplier, seed,
-                              threads)
+                              out_code, lr, beta1, beta2, eps, weight_decay, bc1, bc2, adamw, grad_multiplier, scaled,
+                              seed, threads)
 
 
 class _AdamKernel(torch.optim.Optimizer):
@@ -228,7 +230,8 @@ class _AdamKernel(torch.optim.Optimizer):
         for (step, *_), (ps, gs, ms, vs, cs) in batches.items():
             _launch(ps, gs, ms, vs, cs, step=step, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
                     weight_decay=group["weight_decay"], adamw=self.adamw_mode, bias_correction=group["bias_correction"],
-                    grad_multiplier=1.0, check_finite=False, seed=common.stream_seed(step, group_index))
+                    grad_multiplier=1.0, check_finite=False, seed=common.stream_seed(step, group_index),
+                    report_inf=False)
 
 
 def _check_copy(name: str, copy: torch.Tensor, p: torch.Tensor) -> int:

@@ -7,7 +7,7 @@
 Layouts: `DenseSparsityConfig`, `FixedSparsityConfig`, `VariableSparsityConfig`,
 `BigBirdSparsityConfig`, `BSLongformerSparsityConfig`, `LocalSlidingWindowSparsityConfig`;
 `SparseAttentionConfig` is the ``sparse_attention`` config section and makes the right one (of
-the first five: the section has no mode for the local sliding window yet). The kernels (SDD,
+the first five: DeepSpeed's section has no mode for the local sliding window either). The kernels (SDD,
 softmax, DSD, forward and backward) are C++ built by the op builder (op ``sparse_attn``).
 """
 
