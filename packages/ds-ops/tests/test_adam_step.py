@@ -186,6 +186,7 @@ def _call(**changes):
     ({"half_copy": torch.zeros(8)}, r"half_copy\[0\] is torch\.float32"),
     ({"step": 0}, r"step must be an integer >= 1 \(this step's number\), got 0"),
     ({"step": 1.5}, "step must be an integer >= 1"),
+    ({"step": float("inf")}, "step must be an integer >= 1"),
     ({"grad_scale": 0.0}, r"grad_scale must be a number in \[1e-30, 1e30\] \(the loss scale\), got 0.0"),
     ({"grad_scale": float("nan")}, "grad_scale must be a number"),
     ({"lr": -1.0}, "adam_step: lr must be >= 0"),

@@ -156,6 +156,18 @@ SIMD_CHECK = textwrap.dedent("""
     p = torch.zeros(n, requires_grad=True); p.grad = torch.full((n,), 1.0 / 3.0)
     opt = ds_ops.CPUAdam([p], lr=0.0, betas=(0.0, 0.999), state_dtype=torch.bfloat16); opt.step()
     assert abs(opt.state[p]["exp_avg"].float().mean().item() - 1.0 / 3.0) < 5e-5
+    # adam_step's scaled variant and its inf check on this backend, against torch's AdamW
+    q, m, v = torch.randn(1000, generator=g), torch.zeros(1000), torch.zeros(1000)
+    r = q.clone().requires_grad_()
+    grad = torch.randn(1000, generator=g)
+    assert ds_ops.adam_step(q, grad * 1024, m, v, 1, 1e-2, weight_decay=0.01, grad_scale=1024.0) is False
+    r.grad = grad.clone()
+    torch.optim.AdamW([r], lr=1e-2, weight_decay=0.01).step()
+    torch.testing.assert_close(q, r.detach(), rtol=1e-5, atol=1e-5)
+    before, bad = q.clone(), grad * 1024
+    bad[997] = float("inf")  # in the scalar tail of every backend
+    assert ds_ops.adam_step(q, bad, m, v, 2, 1e-2, grad_scale=1024.0) is True and torch.equal(q, before)
+    assert ds_ops.has_inf_or_nan(bad.bfloat16()) and not ds_ops.has_inf_or_nan(grad.bfloat16())
     print("OK")
 """)
 

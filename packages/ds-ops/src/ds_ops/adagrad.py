@@ -85,7 +85,6 @@ class CPUAdagrad(torch.optim.Optimizer):
             raise ValueError(f"{where} has a sparse gradient and weight_decay={group['weight_decay']}; weight decay "
                              "does not work with sparse gradients (as in torch.optim.Adagrad): use weight_decay=0 "
                              "for this parameter's group, or a dense gradient")
-        common.state_dtype_of(group, p)
 
     def _sparse_step(self, kernel, gi: int, group: dict, p: torch.Tensor) -> None:
         """torch.optim.Adagrad's sparse update: the dense update restricted to the rows the

@@ -13,6 +13,7 @@ partitions, which it may swap to NVMe), with the loss-scale division fused into 
 from __future__ import annotations
 
 import logging
+import math
 import numbers
 from collections import defaultdict
 from itertools import chain
@@ -76,9 +77,8 @@ def adam_step(params, grads, exp_avg, exp_avg_sq, step: int, lr: float, *, betas
         dtypes = sorted({str(t.dtype) for t in tensors})
         if len(dtypes) > 1:
             raise ValueError(f"{name}: the tensors of {what} must share one dtype, got {', '.join(dtypes)}")
-    if half_copy is not None and any(c is None for c in copies):
-        raise ValueError(f"{name}: half_copy must hold a tensor for every parameter")
-    if isinstance(step, bool) or not isinstance(step, numbers.Real) or step != int(step) or step < 1:
+    if (isinstance(step, bool) or not isinstance(step, numbers.Real) or not math.isfinite(step)
+            or step != int(step) or step < 1):
         raise ValueError(f"{name}: step must be an integer >= 1 (this step's number), got {step!r}")
     common.check_hyperparameters(name, lr, eps, betas, weight_decay)
     grad_scale = _check_scale(name, grad_scale)
