@@ -103,15 +103,34 @@ def test_the_fingerprint_follows_the_sources(tmp_path):
     assert _BrokenBuilder(source).fingerprint() != before
 
 
-def test_without_a_compiler_the_reason_is_given(monkeypatch, tmp_path):
+def test_a_cxx_that_names_nothing_is_named_as_the_problem(monkeypatch, tmp_path):
     monkeypatch.setenv("CXX", "/nonexistent/c++")
     monkeypatch.setenv("DS_OPS_CACHE", str(tmp_path))
     monkeypatch.setattr(OpBuilder, "_loaded", {})
     builder = CPUAdamBuilder()
     monkeypatch.setattr(type(builder), "prebuilt_path", lambda self: tmp_path / "none.so")
     ok, reason = builder.compatibility()
+    assert not ok and "CXX='/nonexistent/c++' is not an executable on PATH" in reason
+    assert "unset CXX to use" in reason  # c++ is on this machine's PATH: say so, do not claim there is none
+    with pytest.raises(OpBuildError, match=r"cannot build op cpu_adam: CXX='/nonexistent/c\+\+'"):
+        builder.load()
+
+
+def test_without_any_compiler_the_reason_is_given(monkeypatch, tmp_path):
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    ok, reason = CPUAdamBuilder().compatibility()
     assert not ok and "no C++ compiler" in reason and "g++" in reason
-    with pytest.raises(OpBuildError, match="cannot build op cpu_adam: no C\\+\\+ compiler"):
+
+
+def test_an_unusable_cache_names_the_variable(monkeypatch, tmp_path):
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("DS_OPS_CACHE", str(tmp_path / "a-file" / "cache"))
+    monkeypatch.setattr(OpBuilder, "_loaded", {})
+    builder = CPUAdamBuilder()
+    monkeypatch.setattr(type(builder), "prebuilt_path", lambda self: tmp_path / "none.so")
+    with pytest.raises(OpBuildError, match=r"DS_OPS_CACHE='.*a-file/cache' cannot be used as the op cache "
+                                           r"\(Not a directory: .*\); set DS_OPS_CACHE to a writable directory"):
         builder.load()
 
 
@@ -137,6 +156,18 @@ SIMD_CHECK = textwrap.dedent("""
     p = torch.zeros(n, requires_grad=True); p.grad = torch.full((n,), 1.0 / 3.0)
     opt = ds_ops.CPUAdam([p], lr=0.0, betas=(0.0, 0.999), state_dtype=torch.bfloat16); opt.step()
     assert abs(opt.state[p]["exp_avg"].float().mean().item() - 1.0 / 3.0) < 5e-5
+    # adam_step's scaled variant and its inf check on this backend, against torch's AdamW
+    q, m, v = torch.randn(1000, generator=g), torch.zeros(1000), torch.zeros(1000)
+    r = q.clone().requires_grad_()
+    grad = torch.randn(1000, generator=g)
+    assert ds_ops.adam_step(q, grad * 1024, m, v, 1, 1e-2, weight_decay=0.01, grad_scale=1024.0) is False
+    r.grad = grad.clone()
+    torch.optim.AdamW([r], lr=1e-2, weight_decay=0.01).step()
+    torch.testing.assert_close(q, r.detach(), rtol=1e-5, atol=1e-5)
+    before, bad = q.clone(), grad * 1024
+    bad[997] = float("inf")  # in the scalar tail of every backend
+    assert ds_ops.adam_step(q, bad, m, v, 2, 1e-2, grad_scale=1024.0) is True and torch.equal(q, before)
+    assert ds_ops.has_inf_or_nan(bad.bfloat16()) and not ds_ops.has_inf_or_nan(grad.bfloat16())
     print("OK")
 """)
 
@@ -185,3 +216,101 @@ def test_ds_report_lists_every_op():
     for op in ("cpu_adam", "cpu_adagrad", "cpu_lion", "cpu_lamb", "sparse_attn"):
         (row,) = [r for r in out.splitlines() if r.startswith(op + " ")]
         assert row.split()[1] == "yes", row
+
+
+# ---- ds-report's rough edges, through the command line -----------------------------------------------
+
+def _ds_report(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ds_ops.report", *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+
+
+@pytest.mark.parametrize("variable, value, message", [
+    ("DS_BUILD_SIMD", "avx9", "DS_BUILD_SIMD must be one of native, avx512, avx2, scalar, got 'avx9'"),
+    ("MAX_JOBS", "many", "MAX_JOBS must be a positive integer (compilations at once), got 'many'"),
+])
+def test_ds_report_refuses_a_bad_variable_in_one_line(variable, value, message):
+    result = _ds_report(env={variable: value})
+    assert result.returncode == 2
+    assert result.stderr.strip() == f"ds-report: error: {message}"
+    assert result.stdout == ""
+
+
+def test_ds_report_names_a_cxx_that_points_nowhere():
+    result = _ds_report(env={"CXX": "/nonexistent/c++"})
+    assert result.returncode == 0, result.stderr
+    (row,) = [r for r in result.stdout.splitlines() if r.startswith("compiler")]
+    assert "CXX='/nonexistent/c++' is not an executable on PATH" in row and "no C++ compiler" not in result.stdout
+    built = _ds_report("--build", env={"CXX": "/nonexistent/c++"})
+    assert built.returncode == 1  # nothing could be built: the command says so
+    assert "op(s) not built: " in built.stderr and "cpu_adam" in built.stderr
+
+
+def test_ds_report_build_fails_with_an_unusable_cache_and_names_the_variable(tmp_path):
+    (tmp_path / "a-file").write_text("")
+    cache = tmp_path / "a-file" / "cache"
+    result = _ds_report("--build", env={"DS_OPS_CACHE": str(cache)})
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    (row,) = [r for r in result.stdout.splitlines() if r.startswith("op cache")]
+    assert "cannot be used" in row and "set DS_OPS_CACHE to a writable directory" in row
+    (op,) = [r for r in result.stdout.splitlines() if r.startswith("cpu_adam ")]
+    assert f"build failed: DS_OPS_CACHE='{cache}' cannot be used as the op cache" in op
+
+
+FAKE_CXX = textwrap.dedent("""\
+    #!/bin/sh
+    # A compiler that only meets its neighbours: each compile step says which op it belongs to (the
+    # op's build directory), waits up to 5 s for a compile step of another op, records whether one
+    # came, and fails (so nothing is cached and nothing links).
+    case " $* " in *" --version "*) echo "fake-c++ 1.0"; exit 0;; esac
+    case " $* " in *" -c "*) ;; *) exit 1;; esac
+    op=$(basename "$PWD"); mine="$LOG/running.$op.$$"
+    touch "$mine"
+    others() { ls "$LOG" | grep '^running\\.' | grep -v "^running\\.$op\\." | wc -l; }
+    i=0
+    while [ "$(others)" -eq 0 ] && [ $i -lt 100 ]; do sleep 0.05; i=$((i + 1)); done
+    [ "$(others)" -gt 0 ] && touch "$LOG/overlap.$op"
+    rm -f "$mine"
+    echo "fake-c++: not a real compiler" >&2
+    exit 1
+""")
+
+
+def test_ds_report_build_compiles_ops_in_parallel_and_fails_when_builds_fail(tmp_path):
+    """Two ops compile at once (MAX_JOBS=2: two ops, ninja -j1 each); every build fails here, so
+    the command exits 1 and says which ops are not built."""
+    log = tmp_path / "log"
+    log.mkdir()
+    fake = tmp_path / "fake-c++"
+    fake.write_text(FAKE_CXX)
+    fake.chmod(0o755)
+    result = _ds_report("--build", env={"CXX": str(fake), "LOG": str(log), "MAX_JOBS": "2",
+                                         "DS_OPS_CACHE": str(tmp_path / "cache")}, timeout=120)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "2 at a time" in result.stderr
+    overlapping = sorted(p.name for p in log.glob("overlap.*"))
+    assert len(overlapping) >= 2, (overlapping, result.stdout)  # builds of different ops ran at the same time
+    failed = [r for r in result.stdout.splitlines() if "build failed: building op" in r]
+    assert len(failed) >= 5, result.stdout  # ds-ops' five ops (and ds-io's when installed)
+
+
+def test_ds_report_lists_every_installed_ds_package_without_importing_them():
+    code = textwrap.dedent("""
+        import sys
+        from ds_ops import report
+        report.main([])
+        loaded = sorted({m.split(".")[0] for m in sys.modules if m.startswith("ds_")} - {"ds_ops", "ds_io"})
+        print("IMPORTED", loaded)   # ds_io: its op builder is a registered ds_ops.builders plug-in
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         check=True).stdout
+    assert "IMPORTED []" in out
+    from importlib import metadata
+    for name in ("ds-ops", "ds-profiler", "ds-compress", "ds-launch", "ds-comm", "ds-io", "ds-all", "ds-config"):
+        try:
+            version = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            assert any(r.startswith("not installed") and name in r for r in out.splitlines()), name
+            continue
+        assert any(r.split() == [name, version] for r in out.splitlines()), (name, out)

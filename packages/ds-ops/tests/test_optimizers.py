@@ -321,10 +321,17 @@ def test_bad_tensors_are_rejected_clearly(optimizer):
     strided.grad = torch.randn(8, 8).t()
     with pytest.raises(ValueError, match=r"parameter of shape \(8, 8\) is not contiguous"):
         optimizer([strided]).step()
-    half = torch.randn(8, dtype=torch.float16, requires_grad=True)
-    half.grad = torch.randn(8, dtype=torch.float16)
-    with pytest.raises(ValueError, match=r"is torch\.float16; the master parameters must be torch\.float32"):
-        optimizer([half]).step()
+    if optimizer is ds_ops.CPUAdam:  # it updates 16-bit parameters too; not float64 ones
+        double = torch.randn(8, dtype=torch.float64, requires_grad=True)
+        double.grad = torch.randn(8, dtype=torch.float64)
+        with pytest.raises(ValueError, match=r"is torch\.float64; CPUAdam updates float32, bfloat16 or float16"):
+            optimizer([double]).step()
+    else:  # the message says what to do, not only what is wrong
+        half = torch.randn(8, dtype=torch.float16, requires_grad=True)
+        half.grad = torch.randn(8, dtype=torch.float16)
+        with pytest.raises(ValueError, match=r"is torch\.float16; \w+ updates float32 parameters only\. Keep float32 "
+                                             r"master weights .* CPUAdam also updates bfloat16/float16 parameters"):
+            optimizer([half]).step()
     meta = torch.empty(8, device="meta", requires_grad=True)
     meta.grad = torch.empty(8, device="meta")
     with pytest.raises(ValueError, match="is on meta; this optimizer updates CPU tensors"):
@@ -354,3 +361,77 @@ def test_bad_input_leaves_the_optimizer_state_untouched():
         with pytest.raises(ValueError, match="not contiguous"):
             optimizer.step()
         assert optimizer.state[good] == {}  # no step counted, no state made for the good parameter
+
+
+# ---- CPUAdagrad: DeepSpeed's argument order, sparse gradients ---------------------------------------
+
+def test_cpu_adagrad_takes_deepspeeds_positional_order():
+    """DeepSpeedCPUAdagrad(model_params, lr, eps, weight_decay, amsgrad, fp32_optimizer_states)."""
+    p = _param(8)
+    opt = ds_ops.CPUAdagrad([p], 0.1, 1e-6, 0.01, False, True)
+    group = opt.param_groups[0]
+    assert (group["lr"], group["eps"], group["weight_decay"], group["lr_decay"]) == (0.1, 1e-6, 0.01, 0.0)
+    assert opt.fp32_optimizer_states is True
+    with pytest.raises(ValueError, match="amsgrad=True has no meaning for Adagrad"):
+        ds_ops.CPUAdagrad([p], 0.1, 1e-6, 0.0, True)
+    with pytest.raises(TypeError):
+        ds_ops.CPUAdagrad([p], 0.1, 1e-6, 0.0, False, True, 0.5)  # lr_decay is keyword-only now
+
+
+def _embedding_batches(rows: int, steps: int, seed: int = 6) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, rows, (24,), generator=g) for _ in range(steps)]  # repeats included
+
+
+@pytest.mark.parametrize("lr_decay, initial, grad_dtype", [(0.0, 0.0, torch.float32), (0.1, 0.5, torch.float32),
+                                                           (0.0, 0.1, torch.bfloat16)])
+def test_cpu_adagrad_sparse_gradients_match_torch_adagrad(lr_decay, initial, grad_dtype):
+    """An embedding with sparse=True and a dense layer in one optimizer, against torch's Adagrad."""
+    torch.manual_seed(0)
+    ours = torch.nn.ModuleDict({"emb": torch.nn.Embedding(50, 12, sparse=True), "out": torch.nn.Linear(12, 3)})
+    theirs = copy.deepcopy(ours)
+    opt = ds_ops.CPUAdagrad(ours.parameters(), lr=0.1, lr_decay=lr_decay, initial_accumulator_value=initial)
+    ref = torch.optim.Adagrad(theirs.parameters(), lr=0.1, lr_decay=lr_decay, initial_accumulator_value=initial)
+    untouched = set(range(50))
+    for ids in _embedding_batches(50, 6):
+        untouched -= set(ids.tolist())
+        for model, optimizer in ((ours, opt), (theirs, ref)):
+            optimizer.zero_grad()
+            model["out"](model["emb"](ids)).square().sum().backward()
+            if grad_dtype != torch.float32:
+                weight = model["emb"].weight
+                weight.grad_dtype = None
+                weight.grad = weight.grad.coalesce().to(grad_dtype)
+                if optimizer is ref:
+                    weight.grad = weight.grad.float()  # what our kernel reads
+            optimizer.step()
+    assert ours["emb"].weight.grad.is_sparse and untouched  # some rows were never touched
+    for (name, a), b in zip(ours.named_parameters(), theirs.parameters(), strict=True):
+        torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-5, atol=1e-6, msg=name)
+        torch.testing.assert_close(opt.state[a]["sum"], ref.state[b]["sum"], rtol=1e-5, atol=1e-6, msg=name)
+    rows = sorted(untouched)
+    assert torch.equal(opt.state[ours["emb"].weight]["sum"][rows], torch.full((len(rows), 12), initial))
+
+
+def test_cpu_adagrad_sparse_gradient_with_two_sparse_dims():
+    p = torch.randn(6, 5, 4, requires_grad=True)
+    q = p.detach().clone().requires_grad_()
+    indices = torch.tensor([[0, 5, 2, 0], [1, 4, 3, 1]])  # (0, 1) twice: coalesced into one row
+    values = torch.randn(4, 4)
+    opt, ref = ds_ops.CPUAdagrad([p], lr=0.05), torch.optim.Adagrad([q], lr=0.05)
+    for _ in range(3):
+        p.grad = torch.sparse_coo_tensor(indices, values, (6, 5, 4))
+        q.grad = p.grad.clone()
+        opt.step()
+        ref.step()
+    torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_cpu_adagrad_sparse_gradient_refusals_say_why():
+    p = torch.randn(10, 4, requires_grad=True)
+    p.grad = torch.sparse_coo_tensor(torch.tensor([[1, 3]]), torch.randn(2, 4), (10, 4))
+    with pytest.raises(ValueError, match=r"weight decay does not work with sparse gradients \(as in torch\.optim\.Adagrad\)"):
+        ds_ops.CPUAdagrad([p], weight_decay=0.01).step()
+    for optimizer in (ds_ops.CPUAdam, ds_ops.CPULion):
+        with pytest.raises(ValueError, match=r"has a sparse gradient; \w+ takes dense gradients \(CPUAdagrad"):
+            optimizer([p]).step()

@@ -20,6 +20,7 @@ from ds_ops.sparse_attention import (
     BSLongformerSparsityConfig,
     DenseSparsityConfig,
     FixedSparsityConfig,
+    LocalSlidingWindowSparsityConfig,
     SparseAttentionConfig,
     SparseAttentionUtils,
     SparseSelfAttention,
@@ -119,6 +120,9 @@ LAYOUTS = {
     "bigbird-unidirectional": lambda h: BigBirdSparsityConfig(h, attention="unidirectional"),
     "bslongformer": lambda h: BSLongformerSparsityConfig(h, global_block_indices=[0, 5]),
     "block32": lambda h: BigBirdSparsityConfig(h, block=32),
+    "local-sliding-window": lambda h: LocalSlidingWindowSparsityConfig(h),
+    "local-sliding-window-bidirectional": lambda h: LocalSlidingWindowSparsityConfig(
+        h, num_sliding_window_blocks=5, attention="bidirectional"),
 }
 
 
@@ -134,6 +138,23 @@ def test_sparse_layouts_equal_masked_dense_reference(name, dtype):
     pairs = run_both(module, (3, 2, 128, 32), dtype,
                      {"layout": layout.layout, "block": config.block, "causal": causal})
     assert_pairs_close(pairs, dtype)
+
+
+@pytest.mark.parametrize("attention, window", [("unidirectional", 3), ("bidirectional", 3), ("bidirectional", 4)])
+def test_local_sliding_window_equals_dense_attention_under_its_token_mask(attention, window):
+    """The mask is written token by token from the definition (not read from the layout): key j is
+    visible to query i when their blocks are at most window // 2 apart, and j is not after i when
+    unidirectional (causal inside the diagonal block too, SparseSelfAttention's default there)."""
+    seq, block = 96, 16
+    module = SparseSelfAttention(LocalSlidingWindowSparsityConfig(2, block=block, num_sliding_window_blocks=window,
+                                                                  attention=attention), max_seq_length=128)
+    qb, kb = torch.arange(seq)[:, None] // block, torch.arange(seq)[None, :] // block
+    keep = (qb - kb).abs() <= window // 2
+    if attention == "unidirectional":
+        keep &= torch.arange(seq)[None, :] <= torch.arange(seq)[:, None]
+    bias = torch.zeros(seq, seq).masked_fill(~keep, float("-inf"))
+    for dtype in (torch.float32, torch.bfloat16):
+        assert_pairs_close(run_both(module, (2, 2, seq, 32), dtype, {"bias": bias}), dtype)
 
 
 def test_layout_is_cut_from_the_master_layout_and_cached():

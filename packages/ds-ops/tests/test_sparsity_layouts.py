@@ -13,6 +13,7 @@ from ds_ops.sparse_attention import (
     BSLongformerSparsityConfig,
     DenseSparsityConfig,
     FixedSparsityConfig,
+    LocalSlidingWindowSparsityConfig,
     SparseAttentionConfig,
     VariableSparsityConfig,
 )
@@ -97,7 +98,41 @@ def test_bslongformer():
     assert torch.equal(ranged[0], grid("1000", "1100", "1110", "1101"))
 
 
+def token_mask(seq_len: int, block: int, window_blocks: int, unidirectional: bool) -> torch.Tensor:
+    """Which key each query sees under a local sliding window, token by token from the definition:
+    key j is visible to query i when their blocks are at most window_blocks // 2 apart (and, when
+    unidirectional, j's block is not after i's)."""
+    qb = torch.arange(seq_len)[:, None] // block
+    kb = torch.arange(seq_len)[None, :] // block
+    keep = (qb - kb).abs() <= window_blocks // 2
+    return keep & (kb <= qb) if unidirectional else keep
+
+
+@pytest.mark.parametrize("window", [1, 3, 4, 7])
+@pytest.mark.parametrize("attention", ["unidirectional", "bidirectional"])
+def test_local_sliding_window_against_a_token_mask(window, attention):
+    config = LocalSlidingWindowSparsityConfig(3, block=4, num_sliding_window_blocks=window, attention=attention)
+    layout = config.make_layout(40)
+    assert layout.shape == (3, 10, 10) and layout.dtype == torch.int64
+    tokens = layout.bool().repeat_interleave(4, 1).repeat_interleave(4, 2)
+    expected = token_mask(40, 4, window, attention == "unidirectional")
+    for h in range(3):
+        assert torch.equal(tokens[h], expected), h
+
+
+def test_local_sliding_window_defaults_are_deepspeeds():
+    config = LocalSlidingWindowSparsityConfig(2)
+    assert (config.block, config.num_sliding_window_blocks, config.attention) == (16, 3, "unidirectional")
+    assert config.different_layout_per_head is False
+    assert torch.equal(config.make_layout(64)[0], grid("1000", "1100", "0110", "0011"))
+
+
 @pytest.mark.parametrize("make, message", [
+    (lambda: LocalSlidingWindowSparsityConfig(1, block=16, num_sliding_window_blocks=5).make_layout(64),
+     r"num_sliding_window_blocks \(5\) exceeds the number of blocks in a row \(4\)"),
+    (lambda: LocalSlidingWindowSparsityConfig(1, num_sliding_window_blocks=0), "num_sliding_window_blocks must be a "
+                                                                               "positive integer, got 0"),
+    (lambda: LocalSlidingWindowSparsityConfig(1, attention="causal"), "attention must be one of"),
     (lambda: FixedSparsityConfig(1, block=16).make_layout(40), "sequence length 40 must be divisible by block size 16"),
     (lambda: FixedSparsityConfig(1, num_local_blocks=4, num_global_blocks=3), r"num_local_blocks \(4\) must be divisible"),
     (lambda: FixedSparsityConfig(1, attention="unidirectional", horizontal_global_attention=True),

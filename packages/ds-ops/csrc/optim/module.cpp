@@ -17,14 +17,18 @@ PYBIND11_MODULE(DS_OP_MODULE, m) {
 #if defined(DS_OP_CPU_ADAM)
   m.def("adam_update",
         [](const Pointers& params, const Pointers& grads, const Pointers& exp_avg, const Pointers& exp_avg_sq,
-           const Pointers& outs, const Sizes& sizes, int grad_dtype, int state_dtype, int out_dtype, float lr,
-           float beta1, float beta2, float eps, float weight_decay, float bias_correction1,
-           float bias_correction2, bool adamw, uint32_t seed, int num_threads) {
-          ds::adam_update(params, grads, exp_avg, exp_avg_sq, outs, sizes, grad_dtype, state_dtype, out_dtype,
-                          {lr, beta1, beta2, eps, weight_decay, bias_correction1, bias_correction2, adamw}, seed,
-                          num_threads);
+           const Pointers& outs, const Sizes& sizes, int param_dtype, int grad_dtype, int state_dtype,
+           int out_dtype, double lr, double beta1, double beta2, double eps, double weight_decay,
+           double bias_correction1, double bias_correction2, bool adamw, double grad_multiplier, bool scaled,
+           uint32_t seed, int num_threads) {
+          return ds::adam_update(params, grads, exp_avg, exp_avg_sq, outs, sizes, param_dtype, grad_dtype,
+                                 state_dtype, out_dtype,
+                                 {lr, beta1, beta2, eps, weight_decay, bias_correction1, bias_correction2, adamw,
+                                  grad_multiplier, scaled},
+                                 seed, num_threads);
         },
         nogil);
+  m.def("all_finite", &ds::all_finite, nogil);
 #endif
 #if defined(DS_OP_CPU_ADAGRAD)
   m.def("adagrad_update", &ds::adagrad_update, nogil);

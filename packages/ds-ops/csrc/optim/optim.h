@@ -1,5 +1,5 @@
 // The CPU optimizer kernels of ds-ops. Python owns the tensors and passes raw pointers (as
-// integers), element counts and dtype codes (ds::DType); parameters are always fp32.
+// integers), element counts and dtype codes (ds::DType); parameters are fp32 (Adam: also fp16/bf16).
 #pragma once
 
 #include <cstdint>
@@ -10,17 +10,28 @@ namespace ds {
 using Pointers = std::vector<int64_t>;
 using Sizes = std::vector<int64_t>;
 
-struct AdamArgs {
-  float lr, beta1, beta2, eps, weight_decay;
-  float bias_correction1, bias_correction2;  // 1 - beta^step, or 1 without bias correction
-  bool adamw;                                // decoupled weight decay (AdamW) vs L2 (Adam)
+struct AdamArgs {  // double: 1 - beta2 of a float beta2 would be off by 1e-5 relative
+  double lr, beta1, beta2, eps, weight_decay;
+  double bias_correction1, bias_correction2;  // 1 - beta^step, or 1 without bias correction
+  bool adamw;                                 // decoupled weight decay (AdamW) vs L2 (Adam)
+  double grad_multiplier;                     // every gradient is multiplied by it (1 / loss scale) ...
+  bool scaled;                                // ... when set, which also reports non-finite gradients
 };
 
 // One fused pass per element: read p, g, m, v; write p, m, v (and the 16-bit copy of p when
 // `out_dtype` >= 0). `state_dtype` kBF16 stores m and v as bf16 with stochastic rounding.
-void adam_update(const Pointers& params, const Pointers& grads, const Pointers& exp_avg,
-                 const Pointers& exp_avg_sq, const Pointers& outs, const Sizes& sizes, int grad_dtype,
-                 int state_dtype, int out_dtype, const AdamArgs& args, uint32_t seed, int num_threads);
+// Parameters are fp32 (gradients of any dtype), or fp16/bf16 with gradients of the same dtype.
+// With `scaled`: returns true when a gradient (times grad_multiplier) was inf or nan; the update
+// has then been written anyway (callers that must not write check with `all_finite` first).
+// Without: gradients are used as they are, and it returns false.
+bool adam_update(const Pointers& params, const Pointers& grads, const Pointers& exp_avg,
+                 const Pointers& exp_avg_sq, const Pointers& outs, const Sizes& sizes, int param_dtype,
+                 int grad_dtype, int state_dtype, int out_dtype, const AdamArgs& args, uint32_t seed,
+                 int num_threads);
+
+// True when every g * multiplier is finite: a read-only pass over the gradients that stops at
+// the first inf or nan.
+bool all_finite(const Pointers& grads, const Sizes& sizes, int grad_dtype, float multiplier, int num_threads);
 
 // torch.optim.Adagrad: sum += g*g; p -= clr * g / (sqrt(sum) + eps); L2 weight decay.
 void adagrad_update(const Pointers& params, const Pointers& grads, const Pointers& sums, const Sizes& sizes,

@@ -4,6 +4,7 @@
     import ds_ops
     opt = ds_ops.CPUAdam(model.parameters(), lr=1e-3)            # the optimizer of ZeRO-Offload
     opt = ds_ops.CPUAdam(model.parameters(), state_dtype=torch.bfloat16)  # bf16 m, v: 20 B/param/step
+    found_inf = ds_ops.adam_step(flat_params, flat_grads, exp_avg, exp_avg_sq, step, lr, grad_scale=1024.0)
 
 ``ds-report`` lists every op, whether this machine can build it and whether it is built.
 """
@@ -11,11 +12,11 @@
 __version__ = "0.1.0"
 
 from .adagrad import CPUAdagrad
-from .adam import CPUAdam, FusedAdam
+from .adam import CPUAdam, FusedAdam, adam_step, has_inf_or_nan
 from .lamb import FusedLamb
 from .lion import CPULion
 from .op_builder import OpBuilder, OpBuildError
 from .sparse_attention import SparseAttentionConfig
 
-__all__ = ["CPUAdagrad", "CPUAdam", "CPULion", "FusedAdam", "FusedLamb", "OpBuildError", "OpBuilder", "SparseAttentionConfig",
-           "__version__"]
+__all__ = ["CPUAdagrad", "CPUAdam", "CPULion", "FusedAdam", "FusedLamb", "OpBuildError", "OpBuilder",
+           "SparseAttentionConfig", "__version__", "adam_step", "has_inf_or_nan"]

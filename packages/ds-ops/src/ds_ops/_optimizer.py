@@ -29,22 +29,55 @@ def check_state_dtype(name: str, dtype) -> torch.dtype:
     return dtype
 
 
-def check_cpu_param(name: str, p: torch.Tensor) -> None:
+def resolve_state_dtype(name: str, state_dtype, fp32_optimizer_states: bool | None) -> str:
+    """The group's ``state_dtype`` entry from our ``state_dtype`` and DeepSpeed's
+    ``fp32_optimizer_states``: "float32", "bfloat16", or "param" (DeepSpeed's
+    ``fp32_optimizer_states=False``: each state in its parameter's dtype)."""
+    if fp32_optimizer_states is not None and not isinstance(fp32_optimizer_states, bool):
+        raise ValueError(f"{name}: fp32_optimizer_states must be True or False, got {fp32_optimizer_states!r}")
+    if state_dtype is None:
+        return "param" if fp32_optimizer_states is False else "float32"
+    check_state_dtype(name, state_dtype)
+    if fp32_optimizer_states is not None and fp32_optimizer_states != (state_dtype == torch.float32):
+        raise ValueError(f"{name}: fp32_optimizer_states={fp32_optimizer_states} contradicts state_dtype={state_dtype}; "
+                         "pass one of them")
+    return STATE_DTYPES[state_dtype]
+
+
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def check_cpu_param(name: str, p: torch.Tensor, half_params: bool = False) -> None:
+    """A parameter and its gradient as the CPU kernels take them. ``half_params``: the optimizer
+    also updates float16/bfloat16 parameters in place (CPUAdam), with gradients of their dtype."""
     where = f"{name}: parameter of shape {tuple(p.shape)}"
     if p.device.type != "cpu":
         raise ValueError(f"{where} is on {p.device}; this optimizer updates CPU tensors "
                          "(FusedAdam/FusedLamb take device tensors)")
-    if p.dtype != torch.float32:
-        raise ValueError(f"{where} is {p.dtype}; the master parameters must be torch.float32")
+    if p.dtype != torch.float32 and not (half_params and p.dtype in HALF_DTYPES):
+        if half_params:
+            raise ValueError(f"{where} is {p.dtype}; {name} updates float32, bfloat16 or float16 parameters")
+        raise ValueError(f"{where} is {p.dtype}; {name} updates float32 parameters only. Keep float32 master "
+                         "weights for the optimizer (e.g. model.float(), or a float32 copy of each 16-bit "
+                         "parameter) and copy them into the 16-bit model after each step; CPUAdam also "
+                         "updates bfloat16/float16 parameters in place")
     if not p.is_contiguous():
         raise ValueError(f"{where} is not contiguous; call .contiguous() on it before building the optimizer")
     grad = p.grad
+    if grad.is_sparse:
+        raise ValueError(f"{where} has a sparse gradient; {name} takes dense gradients (CPUAdagrad and "
+                         "torch.optim.SparseAdam take sparse ones; or give the embedding sparse=False)")
+    if grad.layout != torch.strided:
+        raise ValueError(f"{where} has a gradient of layout {grad.layout}; {name} takes dense (strided) gradients")
     if grad.dtype not in DTYPE_CODES or grad.device.type != "cpu" or not grad.is_contiguous():
         raise ValueError(f"{where} has a gradient that is {grad.dtype} on {grad.device}"
                          f"{'' if grad.is_contiguous() else ', not contiguous'}; gradients must be contiguous "
                          "CPU tensors of float32, float16 or bfloat16")
     if grad.shape != p.shape:
         raise ValueError(f"{where} has a gradient of shape {tuple(grad.shape)}")
+    if p.dtype in HALF_DTYPES and grad.dtype != p.dtype:
+        raise ValueError(f"{where} is {p.dtype} and its gradient {grad.dtype}; a 16-bit parameter needs a "
+                         "gradient of its own dtype")
 
 
 def state_tensor(state: dict, key: str, p: torch.Tensor, dtype: torch.dtype, initial: float = 0.0) -> torch.Tensor:
@@ -92,15 +125,27 @@ class Batches:
             call(key, batch)
 
 
-def state_dtype_of(group: dict) -> torch.dtype:
+def state_dtype_of(group: dict, p: torch.Tensor | None = None) -> torch.dtype:
+    """The dtype of ``p``'s optimizer states in ``group`` ("param": the parameter's own dtype)."""
+    if group["state_dtype"] == "param":
+        if p is None or p.dtype == torch.float32:
+            return torch.float32
+        if p.dtype == torch.float16:
+            raise ValueError(f"parameter of shape {tuple(p.shape)} is torch.float16 and fp32_optimizer_states=False "
+                             "asks for states of its dtype; float16 optimizer states are not supported (they "
+                             "overflow): use fp32_optimizer_states=True or state_dtype=torch.bfloat16")
+        return p.dtype
     return torch.bfloat16 if group["state_dtype"] == "bfloat16" else torch.float32
 
 
-def batch_group(optimizer: torch.optim.Optimizer, name: str, group: dict, states: dict[str, float]) -> Batches:
-    """Check every parameter of ``group`` that has a gradient, advance its step, make its state
-    tensors (``states``: key -> initial value) and batch the pointers by (step, gradient dtype)."""
+def batch_group(optimizer: torch.optim.Optimizer, name: str, group: dict, states: dict[str, float],
+                params: list[torch.Tensor] | None = None) -> Batches:
+    """Check every parameter of ``group`` that has a gradient (or those of ``params``), advance its
+    step, make its state tensors (``states``: key -> initial value) and batch the pointers by
+    (step, gradient dtype)."""
     dtype = state_dtype_of(group)
-    params = [p for p in group["params"] if p.grad is not None]
+    if params is None:
+        params = [p for p in group["params"] if p.grad is not None]
     for p in params:  # all checks first: bad input must leave every state as it was
         check_cpu_param(name, p)
     batches = Batches()

@@ -1,16 +1,22 @@
-"""CPUAdam (the optimizer of ZeRO-Offload) and FusedAdam.
+"""CPUAdam (the optimizer of ZeRO-Offload), FusedAdam, and ``adam_step``, the functional step they
+stand on.
 
-Both update every tensor of a parameter group in one call of the ``cpu_adam`` kernel: a single
-vectorised, multi-threaded pass over memory that reads p, g, m, v and writes p, m, v back (and, for
-CPUAdam, a float16/bfloat16 copy of p in the same pass). State layout and formulas are those of
-``torch.optim.Adam`` / ``AdamW``, so a checkpoint moves between them. ``state_dtype=torch.bfloat16``
-keeps ``exp_avg``/``exp_avg_sq`` in bfloat16 with stochastic rounding: 20 instead of 28 bytes per
-parameter per step and half the optimizer-state memory; the master parameters stay float32.
+Every update is one call of the ``cpu_adam`` kernel: a single vectorised, multi-threaded pass over
+memory that reads p, g, m, v and writes p, m, v back (and, when asked, a float16/bfloat16 copy of
+p in the same pass). State layout and formulas are those of ``torch.optim.Adam`` / ``AdamW``, so a
+checkpoint moves between them. ``state_dtype=torch.bfloat16`` keeps ``exp_avg``/``exp_avg_sq`` in
+bfloat16 with stochastic rounding: 20 instead of 28 bytes per parameter per step and half the
+optimizer-state memory. ``adam_step`` does the same on buffers the caller owns (ZeRO's flat
+partitions, which it may swap to NVMe), with the loss-scale division fused into the pass.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import numbers
+from collections import defaultdict
+from itertools import chain
 
 import torch
 
@@ -19,24 +25,162 @@ from .op_builder import CPUAdamBuilder
 
 logger = logging.getLogger(__name__)
 
+_STATE_CODES = {torch.float32: 0, torch.bfloat16: 2}
+
+
+def adam_step(params, grads, exp_avg, exp_avg_sq, step: int, lr: float, *, betas=(0.9, 0.999), eps: float = 1e-8,
+              weight_decay: float = 0.0, adamw_mode: bool = True, bias_correction: bool = True,
+              grad_scale: float = 1.0, half_copy=None, check_finite: bool = True, seed: int | None = None) -> bool:
+    """One Adam/AdamW step on caller-owned CPU buffers; returns ``found_inf``.
+
+    ``params``, ``grads``, ``exp_avg``, ``exp_avg_sq`` (and ``half_copy``) are each a contiguous CPU
+    tensor (a flat partition) or a list of them, matched element for element by count. Parameters
+    are float32 (gradients float32, float16 or bfloat16) or float16/bfloat16 (gradients of the same
+    dtype, updated in float32 and stored rounded to nearest); ``exp_avg``/``exp_avg_sq`` are float32,
+    or bfloat16 (stochastic rounding, ``seed`` picks its noise; default: from ``step``).
+    ``step`` is this step's number (1 for the first): the caller counts, and does not count a
+    skipped step. The formulas are ``torch.optim.Adam``'s (``adamw_mode=False``: L2 weight decay)
+    and ``AdamW``'s, on ``g = grad / grad_scale``: the gradients are multiplied by ``1/grad_scale``
+    inside the update pass (exact for the powers of two loss scalers use), so unscaling costs no
+    pass of its own, and the gradients are left as they are. ``half_copy``: float16/bfloat16
+    tensors (float32 parameters only) that receive the updated parameters in the same pass.
+
+    Overflow: with ``check_finite=True`` (the default) a read-only pass over the gradients runs
+    first; if any ``grad / grad_scale`` is inf or nan, nothing is written (parameters, states and
+    ``half_copy`` keep their values) and True is returned: skip the step and lower the loss scale.
+    With several ranks the decision must be global: check each rank's gradients with
+    ``ds_ops.has_inf_or_nan``, all-reduce the flag, and call this with ``check_finite=False``, which
+    costs no pass besides the update and still returns True when it met a non-finite gradient
+    (the update has then been written).
+    """
+    name = "adam_step"
+    params, grads = _tensor_list(name, "params", params), _tensor_list(name, "grads", grads)
+    exp_avg, exp_avg_sq = _tensor_list(name, "exp_avg", exp_avg), _tensor_list(name, "exp_avg_sq", exp_avg_sq)
+    copies = [None] * len(params) if half_copy is None else _tensor_list(name, "half_copy", half_copy)
+    for what, tensors in (("grads", grads), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq), ("half_copy", copies)):
+        if len(tensors) != len(params):
+            raise ValueError(f"{name}: {what} has {len(tensors)} tensors, params {len(params)}")
+    for i, (p, g, m, v, c) in enumerate(zip(params, grads, exp_avg, exp_avg_sq, copies, strict=True)):
+        _check_buffer(name, f"params[{i}]", p, p.numel(), (torch.float32, *common.HALF_DTYPES))
+        _check_buffer(name, f"grads[{i}]", g, p.numel(), tuple(common.DTYPE_CODES))
+        _check_buffer(name, f"exp_avg[{i}]", m, p.numel(), tuple(_STATE_CODES))
+        _check_buffer(name, f"exp_avg_sq[{i}]", v, p.numel(), tuple(_STATE_CODES))
+        if p.dtype != torch.float32 and g.dtype != p.dtype:
+            raise ValueError(f"{name}: params[{i}] is {p.dtype} and grads[{i}] {g.dtype}; 16-bit parameters need "
+                             "gradients of their own dtype")
+        if c is not None:
+            _check_buffer(name, f"half_copy[{i}]", c, p.numel(), common.HALF_DTYPES)
+            if p.dtype != torch.float32:
+                raise ValueError(f"{name}: half_copy is for float32 parameters; params[{i}] is {p.dtype} already")
+    for what, tensors in (("params", params), ("grads", grads), ("exp_avg and exp_avg_sq", exp_avg + exp_avg_sq),
+                          ("half_copy", [c for c in copies if c is not None])):
+        dtypes = sorted({str(t.dtype) for t in tensors})
+        if len(dtypes) > 1:
+            raise ValueError(f"{name}: the tensors of {what} must share one dtype, got {', '.join(dtypes)}")
+    if (isinstance(step, bool) or not isinstance(step, numbers.Real) or not math.isfinite(step)
+            or step != int(step) or step < 1):
+        raise ValueError(f"{name}: step must be an integer >= 1 (this step's number), got {step!r}")
+    common.check_hyperparameters(name, lr, eps, betas, weight_decay)
+    grad_scale = _check_scale(name, grad_scale)
+    beta1, beta2 = betas
+    return _launch(params, grads, exp_avg, exp_avg_sq, copies, step=int(step), lr=lr, beta1=beta1, beta2=beta2,
+                   eps=eps, weight_decay=weight_decay, adamw=adamw_mode, bias_correction=bias_correction,
+                   grad_multiplier=1.0 / grad_scale, check_finite=check_finite,
+                   seed=common.stream_seed(step, 0) if seed is None else int(seed) & 0xFFFFFFFF)
+
+
+def has_inf_or_nan(grads, grad_scale: float = 1.0) -> bool:
+    """True when a value of ``grads`` (a contiguous CPU float32/float16/bfloat16 tensor or a list of
+    them) divided by ``grad_scale`` is inf or nan: one read-only pass that stops at the first one.
+    The per-rank half of a global overflow check (all-reduce the result, then ``adam_step``)."""
+    name = "has_inf_or_nan"
+    tensors = _tensor_list(name, "grads", grads)
+    for i, g in enumerate(tensors):
+        _check_buffer(name, f"grads[{i}]", g, g.numel(), tuple(common.DTYPE_CODES))
+    grad_scale = _check_scale(name, grad_scale)
+    kernel = CPUAdamBuilder().load()
+    by_dtype = defaultdict(list)
+    for g in tensors:
+        by_dtype[g.dtype].append(g)
+    return any(not kernel.all_finite([g.data_ptr() for g in group], [g.numel() for g in group],
+                                     common.DTYPE_CODES[dtype], 1.0 / grad_scale, common.num_threads())
+               for dtype, group in by_dtype.items())
+
+
+def _check_scale(name: str, value) -> float:
+    """The loss scale as a float (a one-element tensor, as torch's GradScaler keeps it, is read once)."""
+    if torch.is_tensor(value) and value.numel() == 1:
+        value = float(value)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 1e-30 <= value <= 1e30:
+        raise ValueError(f"{name}: grad_scale must be a number in [1e-30, 1e30] (the loss scale), got {value!r}")
+    return float(value)
+
+
+def _tensor_list(name: str, what: str, value) -> list[torch.Tensor]:
+    if torch.is_tensor(value):
+        return [value]
+    if isinstance(value, (list, tuple)) and value and all(torch.is_tensor(t) for t in value):
+        return list(value)
+    raise ValueError(f"{name}: {what} must be a tensor or a non-empty list of tensors, got {type(value).__name__}")
+
+
+def _check_buffer(name: str, what: str, t: torch.Tensor, numel: int, dtypes: tuple) -> None:
+    if t.device.type != "cpu" or t.layout != torch.strided or not t.is_contiguous():
+        raise ValueError(f"{name}: {what} must be a contiguous dense CPU tensor, got {t.layout} on {t.device}"
+                         f"{'' if t.layout != torch.strided or t.is_contiguous() else ', not contiguous'}")
+    if t.dtype not in dtypes:
+        raise ValueError(f"{name}: {what} is {t.dtype}; allowed: {', '.join(str(d) for d in dtypes)}")
+    if t.numel() != numel:
+        raise ValueError(f"{name}: {what} has {t.numel()} elements, its parameter {numel}")
+
+
+def _launch(params, grads, exp_avg, exp_avg_sq, copies, *, step: float, lr: float, beta1: float, beta2: float,
+            eps: float, weight_decay: float, adamw: bool, bias_correction: bool, grad_multiplier: float,
+            check_finite: bool, seed: int, report_inf: bool = True) -> bool:
+    """The kernel call behind adam_step and the optimizer classes (inputs already checked; one
+    dtype per role). Returns found_inf (always False with report_inf=False and no check: the
+    optimizer classes, which neither scale nor look, run the kernel without those instructions)."""
+    kernel = CPUAdamBuilder().load()
+    sizes, threads = [p.numel() for p in params], common.num_threads()
+    grad_pointers, grad_code = [g.data_ptr() for g in grads], common.DTYPE_CODES[grads[0].dtype]
+    if check_finite and not kernel.all_finite(grad_pointers, sizes, grad_code, grad_multiplier, threads):
+        return True
+    bc1 = 1.0 - beta1**step if bias_correction else 1.0
+    bc2 = 1.0 - beta2**step if bias_correction else 1.0
+    out_code = -1 if copies[0] is None else common.DTYPE_CODES[copies[0].dtype]
+    scaled = grad_multiplier != 1.0 or (report_inf and not check_finite)
+    return kernel.adam_update([p.data_ptr() for p in params], grad_pointers, [m.data_ptr() for m in exp_avg],
+                              [v.data_ptr() for v in exp_avg_sq], [0 if c is None else c.data_ptr() for c in copies],
+                              sizes, common.DTYPE_CODES[params[0].dtype], grad_code, _STATE_CODES[exp_avg[0].dtype],
+                              out_code, lr, beta1, beta2, eps, weight_decay, bc1, bc2, adamw, grad_multiplier, scaled,
+                              seed, threads)
+
 
 class _AdamKernel(torch.optim.Optimizer):
-    """The CPU path shared by CPUAdam and FusedAdam."""
+    """The CPU path shared by CPUAdam and FusedAdam: ``adam_step``'s kernel on the optimizer's state."""
 
     _NAME = "Adam"
 
     def __init__(self, params, lr: float, bias_correction: bool, betas, eps: float, weight_decay: float,
-                 amsgrad: bool, adamw_mode: bool, state_dtype: torch.dtype):
+                 amsgrad: bool, adamw_mode: bool, state_dtype: str):
         if amsgrad:
             raise ValueError(f"{self._NAME} does not support amsgrad (nor does DeepSpeed's); "
                              "use torch.optim.Adam(amsgrad=True) if you need it")
         common.check_hyperparameters(self._NAME, lr, eps, betas, weight_decay)
-        common.check_state_dtype(self._NAME, state_dtype)
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay,
                     "bias_correction": bias_correction, "amsgrad": False, "maximize": False,
-                    "state_dtype": common.STATE_DTYPES[state_dtype]}
+                    "state_dtype": state_dtype}
         super().__init__(params, defaults)
         self.adamw_mode = adamw_mode
+
+    @property
+    def adam_w_mode(self) -> bool:
+        """DeepSpeed's name of ``adamw_mode``."""
+        return self.adamw_mode
+
+    @adam_w_mode.setter
+    def adam_w_mode(self, value: bool) -> None:
+        self.adamw_mode = value
 
     def __setstate__(self, state):
         # a state_dict saved by torch.optim.Adam lacks our keys: take the defaults
@@ -45,37 +189,49 @@ class _AdamKernel(torch.optim.Optimizer):
             group.setdefault("bias_correction", True)
             group.setdefault("state_dtype", "float32")
 
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's load casts every floating-point state to its parameter's dtype, which would round
+        float32 states of a 16-bit parameter to 16 bits: keep the saved states' own dtypes."""
+        super().load_state_dict(state_dict)
+        saved_ids = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
+        params = dict(zip(saved_ids, chain.from_iterable(g["params"] for g in self.param_groups), strict=True))
+        for key, saved in state_dict["state"].items():
+            p = params.get(key)
+            if p is None or p.dtype == torch.float32:
+                continue
+            for name in ("exp_avg", "exp_avg_sq"):
+                value = saved.get(name)
+                if torch.is_tensor(value) and value.dtype != p.dtype:
+                    self.state[p][name] = value.detach().to(device=p.device, copy=True)
+
     def _cpu_step(self, group_index: int, group: dict, params: list[torch.Tensor],
                   copies: list[torch.Tensor | None] | None = None) -> None:
-        kernel = CPUAdamBuilder().load()
-        state_dtype = common.state_dtype_of(group)
         beta1, beta2 = group["betas"]
         # check everything before touching any state: bad input must leave the optimizer as it was
-        out_codes = []
+        plans = []
         for i, p in enumerate(params):
-            common.check_cpu_param(self._NAME, p)
-            out_codes.append(-1 if not copies or copies[i] is None else _check_copy(self._NAME, copies[i], p))
-        batches = common.Batches()
-        for i, p in enumerate(params):
+            common.check_cpu_param(self._NAME, p, half_params=True)
+            copy = copies[i] if copies else None
+            if copy is not None:
+                if p.dtype != torch.float32:
+                    raise ValueError(f"{self._NAME}: parameter of shape {tuple(p.shape)} is {p.dtype} already; "
+                                     "a 16-bit copy is for float32 parameters")
+                _check_copy(self._NAME, copy, p)
+            plans.append((p, copy, common.state_dtype_of(group, p)))
+        batches = defaultdict(lambda: ([], [], [], [], []))
+        for p, copy, state_dtype in plans:
             state = self.state[p]
             step = common.next_step(state)
             exp_avg = common.state_tensor(state, "exp_avg", p, state_dtype)
             exp_avg_sq = common.state_tensor(state, "exp_avg_sq", p, state_dtype)
-            copy, out_code = (copies[i] if copies else None), out_codes[i]
-            batches.add((step, common.DTYPE_CODES[p.grad.dtype], out_code), params=p, grads=p.grad,
-                        exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, outs=0 if copy is None else copy,
-                        sizes=p.numel())
-
-        def run(key, batch):
-            step, grad_code, out_code = key
-            bc1 = 1.0 - beta1**step if group["bias_correction"] else 1.0
-            bc2 = 1.0 - beta2**step if group["bias_correction"] else 1.0
-            kernel.adam_update(batch["params"], batch["grads"], batch["exp_avg"], batch["exp_avg_sq"], batch["outs"],
-                               batch["sizes"], grad_code, common.DTYPE_CODES[state_dtype], out_code, group["lr"],
-                               beta1, beta2, group["eps"], group["weight_decay"], bc1, bc2, self.adamw_mode,
-                               common.stream_seed(step, group_index), common.num_threads())
-
-        batches.run(run)
+            key = (step, p.dtype, p.grad.dtype, state_dtype, None if copy is None else copy.dtype)
+            for bucket, tensor in zip(batches[key], (p, p.grad, exp_avg, exp_avg_sq, copy), strict=True):
+                bucket.append(tensor)
+        for (step, *_), (ps, gs, ms, vs, cs) in batches.items():
+            _launch(ps, gs, ms, vs, cs, step=step, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                    weight_decay=group["weight_decay"], adamw=self.adamw_mode, bias_correction=group["bias_correction"],
+                    grad_multiplier=1.0, check_finite=False, seed=common.stream_seed(step, group_index),
+                    report_inf=False)
 
 
 def _check_copy(name: str, copy: torch.Tensor, p: torch.Tensor) -> int:
@@ -88,19 +244,26 @@ def _check_copy(name: str, copy: torch.Tensor, p: torch.Tensor) -> int:
 
 
 class CPUAdam(_AdamKernel):
-    """Adam/AdamW for float32 parameters on the CPU (DeepSpeed's DeepSpeedCPUAdam).
+    """Adam/AdamW on CPU parameters (DeepSpeed's DeepSpeedCPUAdam, same arguments in the same order).
 
-    Gradients may be float32, float16 or bfloat16. ``step(fp16_param_groups=...)`` also writes each
-    updated parameter into a float16/bfloat16 tensor in the same pass (what ZeRO-Offload sends back
-    to the device). ``adamw_mode=True`` (the default, as in DeepSpeed) decouples weight decay.
+    float32 parameters take float32, float16 or bfloat16 gradients; ``step(fp16_param_groups=...)``
+    also writes each updated parameter into a float16/bfloat16 tensor in the same pass (what
+    ZeRO-Offload sends back to the device). float16/bfloat16 parameters (gradients of their dtype)
+    are updated in place, computed in float32 and rounded to nearest, as DeepSpeed does.
+    ``adamw_mode=True`` (the default, as in DeepSpeed; also readable as ``adam_w_mode``) decouples
+    weight decay. States: float32 by default; ``fp32_optimizer_states=False`` (DeepSpeed's name)
+    keeps them in each parameter's dtype (bfloat16 parameters: bfloat16 states, stochastically
+    rounded); ``state_dtype=torch.bfloat16`` keeps them in bfloat16 for every parameter.
     """
 
     _NAME = "CPUAdam"
 
     def __init__(self, params, lr: float = 1e-3, bias_correction: bool = True, betas=(0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, amsgrad: bool = False, adamw_mode: bool = True,
-                 state_dtype: torch.dtype = torch.float32):
-        super().__init__(params, lr, bias_correction, betas, eps, weight_decay, amsgrad, adamw_mode, state_dtype)
+                 fp32_optimizer_states: bool | None = None, *, state_dtype: torch.dtype | None = None):
+        resolved = common.resolve_state_dtype(self._NAME, state_dtype, fp32_optimizer_states)
+        super().__init__(params, lr, bias_correction, betas, eps, weight_decay, amsgrad, adamw_mode, resolved)
+        self.fp32_optimizer_states = resolved == "float32"
 
     @torch.no_grad()
     def step(self, closure=None, fp16_param_groups=None):
@@ -138,7 +301,8 @@ class FusedAdam(_AdamKernel):
     def __init__(self, params, lr: float = 1e-3, bias_correction: bool = True, betas=(0.9, 0.999),
                  eps: float = 1e-8, adam_w_mode: bool = True, weight_decay: float = 0.0, amsgrad: bool = False,
                  set_grad_none: bool = True, state_dtype: torch.dtype = torch.float32):
-        super().__init__(params, lr, bias_correction, betas, eps, weight_decay, amsgrad, adam_w_mode, state_dtype)
+        super().__init__(params, lr, bias_correction, betas, eps, weight_decay, amsgrad, adam_w_mode,
+                         common.resolve_state_dtype(self._NAME, state_dtype, None))
         self.set_grad_none = set_grad_none
 
     def zero_grad(self, set_to_none: bool | None = None):
@@ -161,7 +325,7 @@ class FusedAdam(_AdamKernel):
         if not group["bias_correction"]:
             raise ValueError("FusedAdam: bias_correction=False is supported for CPU tensors only "
                              "(torch's fused device kernel always corrects)")
-        if common.state_dtype_of(group) != torch.float32:
+        if group["state_dtype"] != "float32":
             raise ValueError("FusedAdam: state_dtype=torch.bfloat16 is supported for CPU tensors only")
         if not FusedAdam._warned_device:
             logger.warning("FusedAdam on %s uses torch's fused Adam kernel; this path has not been verified on a "

@@ -1,18 +1,28 @@
 """``ds-report``: what this machine offers ds's native ops, like DeepSpeed's ``ds_report``.
 
-Versions (Python, torch, the ds packages), compiler, ninja, SIMD level, the op cache, and a table
-of every op (ds-ops' and those other packages register under the ``ds_ops.builders`` entry
-point, e.g. ds-io's) with whether it can be built here, whether it is built, and why not.
+Versions (Python, torch, every installed ds package), compiler, ninja, SIMD level, the op cache,
+and a table of every op (ds-ops' and those other packages register under the ``ds_ops.builders``
+entry point, e.g. ds-io's) with whether it can be built here, whether it is built, and why not.
+``--build`` builds every compatible op that is not built yet, several at once (up to the number
+of cores, or ``MAX_JOBS``), and exits 1 when any op is not built. A bad environment variable
+(``DS_BUILD_SIMD``, ``MAX_JOBS``) is reported in one line with exit code 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from importlib import metadata
 
-from .op_builder import BUILDERS, OpBuilder, cache_root, system
+from .op_builder import BUILDERS, OpBuilder, OpBuildError, cache_root, system
+
+# The ds family, bottom layer first. Versions come from the installed distributions' metadata:
+# nothing here imports a package (ds-ops must not import the layers above it).
+DS_PACKAGES = ("ds-config", "ds-ops", "ds-profiler", "ds-launch", "ds-comm", "ds-io", "ds-compress", "ds-zero",
+               "ds-pipe", "ds-all")
 
 
 def all_builders() -> dict[str, type[OpBuilder]]:
@@ -28,48 +38,107 @@ def all_builders() -> dict[str, type[OpBuilder]]:
     return found
 
 
-def _version(dist: str) -> str:
+def ds_versions() -> tuple[list[tuple[str, str]], list[str]]:
+    """(installed ds packages with their versions, the ds packages that are not installed)."""
+    installed, missing = [], []
+    for name in DS_PACKAGES:
+        try:
+            installed.append((name, metadata.version(name)))
+        except metadata.PackageNotFoundError:
+            missing.append(name)
+    return installed, missing
+
+
+def build_jobs() -> int:
+    """How many compilations may run at once: MAX_JOBS, else the cores this process may use."""
+    if system.max_jobs():
+        return system.max_jobs()
     try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return "not installed"
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return max(1, os.cpu_count() or 1)
 
 
-def report(build: bool = False) -> str:
+def build_all(builders: dict[str, OpBuilder]) -> dict[str, str]:
+    """Load (building where needed) every op of ``builders``, up to ``build_jobs()`` compilations at
+    once: ops in parallel, each op's ninja with the cores left to it. Returns name -> error."""
+    jobs = build_jobs()
+    todo = [name for name, builder in builders.items() if not builder.is_built()]
+    workers = max(1, min(jobs, len(todo)))
+    if todo:
+        print(f"ds-report: building {len(todo)} op(s), {workers} at a time: {', '.join(sorted(todo))}",
+              file=sys.stderr, flush=True)
+
+    def load(name: str) -> str | None:
+        builder = builders[name]
+        builder.ninja_jobs = max(1, jobs // workers)
+        try:
+            builder.load()
+        except Exception as e:
+            return str(e).splitlines()[0]
+        return None
+
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        results = dict(zip(builders, pool.map(load, builders), strict=True))
+    return {name: error for name, error in results.items() if error is not None}
+
+
+def _report(build: bool) -> tuple[str, dict[str, str]]:
     import torch
 
     cxx = system.compiler()
-    lines = ["ds-report: native ops of ds", "-" * 72]
+    compiler_problem = system.compiler_problem()
+    installed, missing = ds_versions()
+    cache_problem = system.cache_problem()
     rows = [("python", f"{platform.python_version()} ({sys.executable})"),
             ("torch", f"{torch.__version__} (cuda: {torch.version.cuda or 'none'}, "
                       f"available: {torch.cuda.is_available()})"),
-            *((name, _version(name)) for name in ("ds-ops", "ds-io", "ds-comm", "ds-all")),
-            ("compiler", f"{cxx} — {system.compiler_version(cxx)}" if cxx else "none found (install g++)"),
+            *installed,
+            *([("not installed", ", ".join(missing))] if missing else []),
+            ("compiler", f"{cxx} — {system.compiler_version(cxx)}" if cxx else f"none: {compiler_problem}"),
             ("ninja", system.ninja() or "not found (pip install ninja)"),
             ("pybind11", str(system.pybind11_include() or "not found (pip install pybind11)")),
             ("SIMD", f"{system.simd_choice()} → {OpBuilder().simd_level() if cxx else 'unknown'}"),
-            ("op cache", str(cache_root()))]
-    lines += [f"{name:<10} {value}" for name, value in rows]
+            ("op cache", f"{cache_root()}" + (f" — cannot be used: {cache_problem}" if cache_problem else ""))]
+    width = max(len(name) for name, _ in rows) + 1
+    lines = ["ds-report: native ops of ds", "-" * 72]
+    lines += [f"{name:<{width}}{value}" for name, value in rows]
     lines += ["-" * 72, f"{'op':<14}{'compatible':<12}{'built':<8}note", "-" * 72]
-    for name, cls in sorted(all_builders().items()):
-        builder = cls()
-        ok, reason = builder.compatibility()
-        if ok and build:
-            try:
-                builder.load()
-            except Exception as e:
-                reason = f"build failed: {str(e).splitlines()[0]}"
+    builders = {name: cls() for name, cls in sorted(all_builders().items())}
+    compatibility = {name: builder.compatibility() for name, builder in builders.items()}
+    failures = build_all({n: b for n, b in builders.items() if compatibility[n][0]}) if build else {}
+    for name, builder in builders.items():
+        ok, reason = compatibility[name]
+        if name in failures:
+            reason = f"build failed: {failures[name]}"
         built = "yes" if ok and builder.is_built() else "no"
-        note = reason or builder.DESCRIPTION
-        lines.append(f"{name:<14}{'yes' if ok else 'NO':<12}{built:<8}{note}")
-    return "\n".join(lines)
+        lines.append(f"{name:<14}{'yes' if ok else 'NO':<12}{built:<8}{reason or builder.DESCRIPTION}")
+    if build:  # an op this machine cannot build is a failed build too
+        failures.update({name: reason for name, (ok, reason) in compatibility.items() if not ok})
+    return "\n".join(lines), failures
+
+
+def report(build: bool = False) -> str:
+    """The report as text (``build``: build every compatible op that is not built yet first)."""
+    return _report(build)[0]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ds-report", description=__doc__.splitlines()[0])
-    parser.add_argument("--build", action="store_true", help="build every compatible op that is not built yet")
+    parser.add_argument("--build", action="store_true",
+                        help="build every compatible op that is not built yet (in parallel); exit 1 if any fails")
     args = parser.parse_args(argv)
-    print(report(build=args.build))
+    try:  # the environment's knobs, checked before anything else: one line, exit 2
+        system.simd_choice()
+        system.max_jobs()
+    except OpBuildError as e:
+        print(f"ds-report: error: {e}", file=sys.stderr)
+        return 2
+    text, failures = _report(build=args.build)
+    print(text)
+    if failures:
+        print(f"ds-report: {len(failures)} op(s) not built: {', '.join(sorted(failures))}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -52,6 +52,7 @@ class OpBuilder:
     NAME = ""
     DESCRIPTION = ""
     _loaded: dict[str, ModuleType] = {}
+    ninja_jobs: int | None = None  # ninja -j for this builder's builds (None: ninja's default)
 
     # ---- what a subclass describes ---------------------------------------------------------
     def sources(self) -> list[Path]:
@@ -73,9 +74,9 @@ class OpBuilder:
         """(True, "") when this machine can build the op, else (False, what is missing)."""
         if not sys.platform.startswith("linux"):
             return False, f"ds-ops builds on Linux only, this is {sys.platform}"
-        cxx = system.compiler()
-        if cxx is None:
-            return False, "no C++ compiler (looked for $CXX, c++, g++, clang++): install one, e.g. apt-get install g++"
+        problem = system.compiler_problem()
+        if problem:
+            return False, problem
         if system.ninja() is None:
             return False, "ninja not found: pip install ninja"
         if system.pybind11_include() is None:
@@ -144,8 +145,13 @@ class OpBuilder:
             raise OpBuildError(f"cannot build op {self.NAME}: {reason}")
         directory = self.build_dir()
         library = self.library_path(directory)
-        directory.parent.mkdir(parents=True, exist_ok=True)
-        with _FileLock(directory.parent / f"{directory.name}.lock"):
+        lock = _FileLock(directory.parent / f"{directory.name}.lock")
+        try:
+            directory.parent.mkdir(parents=True, exist_ok=True)
+            lock.__enter__()
+        except OSError as e:
+            raise system.cache_error(e) from e
+        try:
             if _stamp_matches(directory, library):
                 try:
                     return _import(self.module_name, library)
@@ -155,6 +161,8 @@ class OpBuilder:
                 logger.info("cache entry %s of op %s is incomplete or corrupt; rebuilding", directory, self.NAME)
             self.build(directory, verbose=verbose)
             return _import(self.module_name, library)
+        finally:
+            lock.__exit__(None, None, None)
 
     def build(self, directory: Path, verbose: bool = False) -> Path:
         """Compile into ``directory`` (emptied first) and stamp the result; returns the module path."""
@@ -188,7 +196,9 @@ class OpBuilder:
         ]))
         start = time.perf_counter()
         logger.info("building op %s in %s", self.NAME, directory)
-        result = subprocess.run([system.ninja(), "-C", str(directory), *(["-v"] if verbose else [])],
+        jobs = self.ninja_jobs or system.max_jobs()
+        jobs = ["-j", str(jobs)] if jobs else []
+        result = subprocess.run([system.ninja(), "-C", str(directory), *jobs, *(["-v"] if verbose else [])],
                                 capture_output=True, text=True)
         seconds = time.perf_counter() - start
         if result.returncode != 0:

@@ -25,13 +25,32 @@ class OpBuildError(RuntimeError):
     """An op could not be built or loaded; the message holds the compiler's output and the fix."""
 
 
+_COMPILER_NAMES = ("c++", "g++", "clang++")
+
+
 def compiler() -> str | None:
-    """The C++ compiler: $CXX, else c++, g++ or clang++ on PATH."""
-    if os.environ.get("CXX"):
-        return shutil.which(os.environ["CXX"].split()[0]) and os.environ["CXX"]
-    for name in ("c++", "g++", "clang++"):
+    """The C++ compiler: $CXX (when set, it is the only choice), else c++, g++ or clang++ on PATH."""
+    cxx = os.environ.get("CXX", "").strip()
+    if cxx:
+        return cxx if shutil.which(cxx.split()[0]) else None
+    for name in _COMPILER_NAMES:
         if shutil.which(name):
             return name
+    return None
+
+
+def compiler_problem() -> str | None:
+    """Why no C++ compiler can be used, or None. A $CXX that names nothing is the problem itself:
+    it is not replaced by another compiler silently."""
+    cxx = os.environ.get("CXX", "").strip()
+    if cxx:
+        if shutil.which(cxx.split()[0]):
+            return None
+        found = next((path for path in map(shutil.which, _COMPILER_NAMES) if path), None)
+        alternative = f"; unset CXX to use {found}" if found else "; install one, e.g. apt-get install g++"
+        return f"CXX={cxx!r} is not an executable on PATH (point CXX at a C++ compiler{alternative})"
+    if compiler() is None:
+        return "no C++ compiler (looked for $CXX, c++, g++, clang++): install one, e.g. apt-get install g++"
     return None
 
 
@@ -94,6 +113,39 @@ def simd_level(cxx: str, flags: tuple[str, ...]) -> str:
     if "__AVX2__" in out and "__FMA__" in out and "__F16C__" in out:
         return "AVX2"
     return "scalar"
+
+
+def max_jobs() -> int | None:
+    """MAX_JOBS (as torch's extension builder reads it): how many compilations may run at once."""
+    value = os.environ.get("MAX_JOBS", "").strip()
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise OpBuildError(f"MAX_JOBS must be a positive integer (compilations at once), got {value!r}")
+    return int(value)
+
+
+def cache_error(error: OSError) -> OpBuildError:
+    """The error for an op cache that cannot be created or written, naming the variable to fix."""
+    root = cache_root()
+    where = f"DS_OPS_CACHE={os.environ['DS_OPS_CACHE']!r}" if os.environ.get("DS_OPS_CACHE") else f"the op cache {root}"
+    detail = f"{error.strerror}: {error.filename}" if error.strerror and error.filename else str(error)
+    return OpBuildError(f"{where} cannot be used as the op cache ({detail}); set DS_OPS_CACHE to a writable directory")
+
+
+def cache_problem() -> str | None:
+    """Why the op cache cannot be written, or None (a look without creating anything)."""
+    root = cache_root()
+    probe = root
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        reason = f"{probe} is not a directory"
+    elif not os.access(probe, os.W_OK | os.X_OK):
+        reason = f"{probe} is not writable"
+    else:
+        return None
+    return f"{reason}; set DS_OPS_CACHE to a writable directory"
 
 
 def cache_root() -> Path:

@@ -5,9 +5,10 @@
     out = attention(q, k, v)          # [batch, heads, seq, head_dim], only the layout's blocks
 
 Layouts: `DenseSparsityConfig`, `FixedSparsityConfig`, `VariableSparsityConfig`,
-`BigBirdSparsityConfig`, `BSLongformerSparsityConfig`; `SparseAttentionConfig` is the
-``sparse_attention`` config section and makes the right one. The kernels (SDD, softmax, DSD,
-forward and backward) are C++ built by the op builder (op ``sparse_attn``).
+`BigBirdSparsityConfig`, `BSLongformerSparsityConfig`, `LocalSlidingWindowSparsityConfig`;
+`SparseAttentionConfig` is the ``sparse_attention`` config section and makes the right one (of
+the first five: DeepSpeed's section has no mode for the local sliding window either). The kernels (SDD,
+softmax, DSD, forward and backward) are C++ built by the op builder (op ``sparse_attn``).
 """
 
 from .attention import (
@@ -24,10 +25,12 @@ from .sparsity_config import (
     BSLongformerSparsityConfig,
     DenseSparsityConfig,
     FixedSparsityConfig,
+    LocalSlidingWindowSparsityConfig,
     SparsityConfig,
     VariableSparsityConfig,
 )
 
 __all__ = ["BSLongformerSparsityConfig", "BertSparseSelfAttention", "BigBirdSparsityConfig", "BlockLayout",
-           "DenseSparsityConfig", "FixedSparsityConfig", "SparseAttentionConfig", "SparseAttentionUtils",
-           "SparseSelfAttention", "SparsityConfig", "VariableSparsityConfig", "pad_to_block_size", "unpad"]
+           "DenseSparsityConfig", "FixedSparsityConfig", "LocalSlidingWindowSparsityConfig", "SparseAttentionConfig",
+           "SparseAttentionUtils", "SparseSelfAttention", "SparsityConfig", "VariableSparsityConfig",
+           "pad_to_block_size", "unpad"]

@@ -248,3 +248,27 @@ class BSLongformerSparsityConfig(SparsityConfig):
             if self.attention == "unidirectional":
                 layout[h] = torch.tril(layout[h])
         return self.check_and_propagate_first_head_layout(layout)
+
+
+class LocalSlidingWindowSparsityConfig(SparsityConfig):
+    """A purely local sliding window (DeepSpeed's LocalSlidingWindowSparsityConfig): each block row
+    attends to the ``num_sliding_window_blocks // 2`` blocks on either side of its own block;
+    ``attention="unidirectional"`` (the default, as DeepSpeed's) keeps only the blocks up to its own."""
+
+    def __init__(self, num_heads: int, block: int = 16, num_sliding_window_blocks: int = 3,
+                 attention: str = "unidirectional"):
+        super().__init__(num_heads, block)
+        self.num_sliding_window_blocks = _positive("num_sliding_window_blocks", num_sliding_window_blocks)
+        self.attention = _check_attention(attention)
+
+    def make_layout(self, seq_len: int) -> torch.Tensor:
+        layout = self.setup_layout(seq_len)
+        n = layout.shape[1]
+        if self.num_sliding_window_blocks > n:
+            raise ValueError(f"num_sliding_window_blocks ({self.num_sliding_window_blocks}) exceeds the number of "
+                             f"blocks in a row ({n})")
+        w = self.num_sliding_window_blocks // 2
+        for row in range(n):
+            end = row + 1 if self.attention == "unidirectional" else min(row + w + 1, n)
+            layout[0, row, max(0, row - w):end] = 1
+        return self.check_and_propagate_first_head_layout(layout)
