@@ -240,10 +240,23 @@ def _stamp_matches(directory: Path, library: Path) -> bool:
 
 
 def _write_atomic(path: Path, text: str) -> None:
+    # ds_config.write_atomic's guarantees (fsync, rename, directory fsync), written out here because
+    # the wheel's build hook loads this module by path in an environment that has only hatchling.
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
 
 
 def _import(name: str, path: Path) -> ModuleType:
