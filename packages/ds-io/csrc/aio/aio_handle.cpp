@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <stdexcept>
+#include <system_error>
 
 #ifdef DS_IO_HAVE_LIBAIO
 #include <libaio.h>
@@ -20,33 +21,11 @@
 
 namespace ds_io {
 
-struct Operation {
-  bool write = false;
-  uintptr_t ptr = 0;
-  int64_t nbytes = 0;
-  std::string path;
-  int64_t file_offset = 0;
-  bool direct = false;     // the body [0, tail_begin) moves through fd_direct
-  int64_t tail_begin = 0;  // bytes from here on move through fd_buffered
-  bool truncate = false;   // a write at offset 0 makes the file exactly nbytes long
-  bool track = false;
-  int fd_direct = -1;
-  int fd_buffered = -1;
-  std::atomic<int> remaining{0};
-  std::mutex mutex;
-  std::condition_variable cv;
-  bool done = false;
-  std::vector<std::string> errors;
-
-  void fail(const std::string& what) {
-    std::lock_guard<std::mutex> lock(mutex);
-    errors.push_back(what);
-  }
-  bool failed() {
-    std::lock_guard<std::mutex> lock(mutex);
-    return !errors.empty();
-  }
-};
+void Operation::wait_done() {
+  std::unique_lock<std::mutex> lock(mutex);
+  cv.wait(lock, [&] { return done; });
+  if (!errors.empty()) throw IoError(join(errors));
+}
 
 namespace {
 
@@ -77,6 +56,25 @@ std::string move_posix(const Operation& op, int fd, char* mem, int64_t begin, in
       done += n;
     }
     pos += want;
+  }
+  return "";
+}
+
+// Buffered reads: pread piece by piece while asking the kernel (posix_fadvise WILLNEED) to have
+// the next `depth` pieces on their way, so that a single worker keeps many reads in flight
+// instead of waiting on the kernel's own readahead window.
+std::string move_buffered_read(const Operation& op, int fd, char* mem, int64_t begin, int64_t end, int64_t piece,
+                               int64_t depth) {
+  const int64_t window = piece * std::max<int64_t>(1, depth);
+  int64_t advised = begin;  // [begin, advised) has been asked for
+  for (int64_t pos = begin; pos < end; pos += piece) {
+    const int64_t target = std::min(end, pos + window);
+    if (advised < target) {
+      ::posix_fadvise(fd, op.file_offset + advised, target - advised, POSIX_FADV_WILLNEED);  // a hint
+      advised = target;
+    }
+    std::string err = move_posix(op, fd, mem, pos, std::min(end, pos + piece), piece);
+    if (!err.empty()) return err;
   }
   return "";
 }
@@ -206,19 +204,40 @@ std::string move_libaio(io_context_t ctx, int queue_depth, bool single_submit, b
 
 }  // namespace
 
-AioHandle::AioHandle(int64_t block_size, int queue_depth, bool single_submit, bool overlap_events,
-                     int intra_op_parallelism, bool use_libaio)
-    : block_size_(block_size),
-      queue_depth_(queue_depth),
+namespace {
+int64_t in_range(const char* name, int64_t value, int64_t lo, int64_t hi) {
+  if (value < lo || value > hi)
+    throw std::invalid_argument(std::string(name) + " must be an integer in [" + std::to_string(lo) + ", " +
+                                std::to_string(hi) + "], got " + std::to_string(value));
+  return value;
+}
+}  // namespace
+
+AioHandle::AioHandle(int64_t block_size, int64_t queue_depth, bool single_submit, bool overlap_events,
+                     int64_t intra_op_parallelism, bool use_libaio)
+    : block_size_(in_range("block_size", block_size, kMinBlockSize, kMaxBlockSize)),
+      queue_depth_(static_cast<int>(in_range("queue_depth", queue_depth, kMinQueueDepth, kMaxQueueDepth))),
       single_submit_(single_submit),
       overlap_events_(overlap_events),
-      threads_(intra_op_parallelism),
+      threads_(static_cast<int>(
+          in_range("intra_op_parallelism", intra_op_parallelism, kMinIntraOpParallelism, kMaxIntraOpParallelism))),
       use_libaio_(use_libaio && have_libaio()) {
-  if (block_size <= 0) throw std::invalid_argument("block_size must be a positive number of bytes, got " + std::to_string(block_size));
-  if (queue_depth <= 0) throw std::invalid_argument("queue_depth must be a positive integer, got " + std::to_string(queue_depth));
-  if (intra_op_parallelism <= 0)
-    throw std::invalid_argument("intra_op_parallelism must be a positive integer, got " + std::to_string(intra_op_parallelism));
-  for (int k = 0; k < threads_; ++k) workers_.emplace_back([this, k] { worker_loop(k); });
+  try {
+    for (int k = 0; k < threads_; ++k) workers_.emplace_back([this, k] { worker_loop(k); });
+  } catch (const std::system_error& e) {
+    // Never leave a joinable std::thread behind (that would terminate the process).
+    const size_t started = workers_.size();
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stopping_ = true;
+    }
+    work_cv_.notify_all();
+    for (auto& t : workers_) t.join();
+    workers_.clear();
+    throw std::runtime_error("cannot start " + std::to_string(threads_) + " worker threads (intra_op_parallelism; " +
+                             std::to_string(started) + " started): " + e.what() +
+                             "; use fewer threads or raise the process/thread limit");
+  }
 }
 
 AioHandle::~AioHandle() { close(); }
@@ -253,7 +272,9 @@ int64_t AioHandle::pending() const {
 }
 
 std::shared_ptr<Operation> AioHandle::start(bool write, uintptr_t ptr, int64_t nbytes, const std::string& path,
-                                            int64_t file_offset, bool direct, bool track) {
+                                            int64_t file_offset, bool direct, bool track,
+                                            const std::string& rename_to) {
+  if (!write && !rename_to.empty()) throw std::invalid_argument("rename_to applies to writes only");
   if (nbytes < 0 || file_offset < 0)
     throw std::invalid_argument("'" + path + "': size and file offset must be >= 0, got size " + std::to_string(nbytes) +
                                 " at offset " + std::to_string(file_offset));
@@ -264,6 +285,7 @@ std::shared_ptr<Operation> AioHandle::start(bool write, uintptr_t ptr, int64_t n
   op->path = path;
   op->file_offset = file_offset;
   op->track = track;
+  op->rename_to = rename_to;
   const int base = write ? (O_WRONLY | O_CREAT) : O_RDONLY;
   const std::string what = std::string(write ? "cannot open '" : "cannot open '") + path + "' to " +
                            (write ? "write " : "read ") + std::to_string(nbytes) + " bytes at offset " +
@@ -297,6 +319,7 @@ std::shared_ptr<Operation> AioHandle::start(bool write, uintptr_t ptr, int64_t n
       if (op->fd_direct >= 0) ::close(op->fd_direct);
       throw IoError(what + errno_text(err));
     }
+    if (!write && !direct) ::posix_fadvise(op->fd_buffered, 0, 0, POSIX_FADV_SEQUENTIAL);  // a hint
   }
   struct stat st {};
   ::fstat(op->fd_direct >= 0 ? op->fd_direct : op->fd_buffered, &st);
@@ -327,17 +350,15 @@ std::shared_ptr<Operation> AioHandle::start(bool write, uintptr_t ptr, int64_t n
   return op;
 }
 
-void AioHandle::submit(bool write, uintptr_t ptr, int64_t nbytes, const std::string& path, int64_t file_offset,
-                       bool direct, bool track) {
-  start(write, ptr, nbytes, path, file_offset, direct, track);
+std::shared_ptr<Operation> AioHandle::submit(bool write, uintptr_t ptr, int64_t nbytes, const std::string& path,
+                                             int64_t file_offset, bool direct, bool track,
+                                             const std::string& rename_to) {
+  return start(write, ptr, nbytes, path, file_offset, direct, track, rename_to);
 }
 
 void AioHandle::run(bool write, uintptr_t ptr, int64_t nbytes, const std::string& path, int64_t file_offset,
                     bool direct) {
-  auto op = start(write, ptr, nbytes, path, file_offset, direct, false);
-  std::unique_lock<std::mutex> lock(op->mutex);
-  op->cv.wait(lock, [&] { return op->done; });
-  if (!op->errors.empty()) throw IoError(join(op->errors));
+  start(write, ptr, nbytes, path, file_offset, direct, false, "")->wait_done();
 }
 
 int64_t AioHandle::wait() {
@@ -366,6 +387,8 @@ void AioHandle::finish(const std::shared_ptr<Operation>& op) {
       op->fail(describe(*op, 0, op->nbytes) + ": close failed: " + errno_text(errno));
     *fd = -1;
   }
+  if (!op->rename_to.empty() && !op->failed() && ::rename(op->path.c_str(), op->rename_to.c_str()) != 0)
+    op->fail(describe(*op, 0, op->nbytes) + ": renaming it to '" + op->rename_to + "' failed: " + errno_text(errno));
   if (op->track) {
     std::lock_guard<std::mutex> lock(mutex_);
     --tracked_in_flight_;
@@ -406,7 +429,8 @@ void AioHandle::worker_loop(int /*index*/) {
         } else {
 #ifdef DS_IO_HAVE_LIBAIO
           if (aio_ok && !aio.ensure(queue_depth_)) {
-            note("libaio unavailable (" + aio.error + "): this worker uses pread/pwrite");
+            note("libaio unavailable (" + aio.error + "; queue_depth x intra_op_parallelism may exceed the "
+                 "free part of /proc/sys/fs/aio-max-nr): this worker uses pread/pwrite");
             aio_ok = false;
           }
           if (aio_ok)
@@ -418,8 +442,12 @@ void AioHandle::worker_loop(int /*index*/) {
         }
       }
       const int64_t tail_start = std::max(task.begin, body_end);
-      if (error.empty() && tail_start < task.end)
-        error = move_posix(op, op.fd_buffered, mem, tail_start, task.end, block_size_);
+      if (error.empty() && tail_start < task.end) {
+        if (!op.write && !op.direct)
+          error = move_buffered_read(op, op.fd_buffered, mem, tail_start, task.end, block_size_, queue_depth_);
+        else
+          error = move_posix(op, op.fd_buffered, mem, tail_start, task.end, block_size_);
+      }
     } catch (const std::exception& e) {
       error = describe(op, task.begin, task.end - task.begin) + " failed: " + e.what();
     }
