@@ -273,7 +273,7 @@ int64_t AioHandle::pending() const {
 
 std::shared_ptr<Operation> AioHandle::start(bool write, uintptr_t ptr, int64_t nbytes, const std::string& path,
                                             int64_t file_offset, bool direct, bool track,
-                                            const std::string& rename_to) {
+                                            const std::string& rename_to, bool defer_open) {
   if (!write && !rename_to.empty()) throw std::invalid_argument("rename_to applies to writes only");
   if (nbytes < 0 || file_offset < 0)
     throw std::invalid_argument("'" + path + "': size and file offset must be >= 0, got size " + std::to_string(nbytes) +
@@ -286,10 +286,41 @@ std::shared_ptr<Operation> AioHandle::start(bool write, uintptr_t ptr, int64_t n
   op->file_offset = file_offset;
   op->track = track;
   op->rename_to = rename_to;
+  op->want_direct = direct;
+  if (!defer_open) open_op(*op);  // errors reach the caller now
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (stopping_) {
+      close_fds(*op);
+      throw std::invalid_argument("the aio handle is closed");
+    }
+    if (track) ++tracked_in_flight_;
+    if (defer_open) {
+      op->remaining = 1;
+      queue_.push_back(Task{op, -1, -1});  // a worker opens it when it gets there
+    } else {
+      enqueue_tasks_locked(op, false);
+    }
+  }
+  work_cv_.notify_all();
+  return op;
+}
+
+void AioHandle::close_fds(Operation& op) {
+  if (op.fd_direct >= 0) ::close(op.fd_direct);
+  if (op.fd_buffered >= 0) ::close(op.fd_buffered);
+  op.fd_direct = op.fd_buffered = -1;
+}
+
+void AioHandle::open_op(Operation& op) {
+  const std::string& path = op.path;
+  const bool write = op.write;
+  const int64_t nbytes = op.nbytes;
+  const int64_t file_offset = op.file_offset;
+  bool direct = op.want_direct;
   const int base = write ? (O_WRONLY | O_CREAT) : O_RDONLY;
-  const std::string what = std::string(write ? "cannot open '" : "cannot open '") + path + "' to " +
-                           (write ? "write " : "read ") + std::to_string(nbytes) + " bytes at offset " +
-                           std::to_string(file_offset) + ": ";
+  const std::string what = "cannot open '" + path + "' to " + (write ? "write " : "read ") + std::to_string(nbytes) +
+                           " bytes at offset " + std::to_string(file_offset) + ": ";
 
   if (direct && file_offset % kAlign != 0) {
     note("'" + path + "': file offset " + std::to_string(file_offset) + " is not a multiple of " +
@@ -297,68 +328,68 @@ std::shared_ptr<Operation> AioHandle::start(bool write, uintptr_t ptr, int64_t n
     direct = false;
   }
   if (direct && nbytes >= kAlign) {
-    op->fd_direct = ::open(path.c_str(), base | O_DIRECT | O_CLOEXEC, 0644);
-    if (op->fd_direct < 0 && errno == EINVAL) {
+    op.fd_direct = ::open(path.c_str(), base | O_DIRECT | O_CLOEXEC, 0644);
+    if (op.fd_direct < 0 && errno == EINVAL) {
       note("'" + path + "': the filesystem refuses O_DIRECT: buffered I/O instead");
       direct = false;
-    } else if (op->fd_direct < 0) {
+    } else if (op.fd_direct < 0) {
       throw IoError(what + errno_text(errno));
     }
   } else {
     direct = false;
   }
-  op->direct = direct;
-  op->tail_begin = direct ? nbytes / kAlign * kAlign : 0;
-  if (direct && op->tail_begin < nbytes)
+  op.direct = direct;
+  op.tail_begin = direct ? nbytes / kAlign * kAlign : 0;
+  if (direct && op.tail_begin < nbytes)
     note("'" + path + "': size " + std::to_string(nbytes) + " is not a multiple of " + std::to_string(kAlign) +
-         ": the last " + std::to_string(nbytes - op->tail_begin) + " bytes go through buffered I/O");
-  if (op->tail_begin < nbytes || nbytes == 0) {
-    op->fd_buffered = ::open(path.c_str(), base | O_CLOEXEC, 0644);
-    if (op->fd_buffered < 0) {
+         ": the last " + std::to_string(nbytes - op.tail_begin) + " bytes go through buffered I/O");
+  if (op.tail_begin < nbytes || nbytes == 0) {
+    op.fd_buffered = ::open(path.c_str(), base | O_CLOEXEC, 0644);
+    if (op.fd_buffered < 0) {
       const int err = errno;
-      if (op->fd_direct >= 0) ::close(op->fd_direct);
+      close_fds(op);
       throw IoError(what + errno_text(err));
     }
-    if (!write && !direct) ::posix_fadvise(op->fd_buffered, 0, 0, POSIX_FADV_SEQUENTIAL);  // a hint
+    if (!write && !direct) ::posix_fadvise(op.fd_buffered, 0, 0, POSIX_FADV_SEQUENTIAL);  // a hint
   }
   struct stat st {};
-  ::fstat(op->fd_direct >= 0 ? op->fd_direct : op->fd_buffered, &st);
+  ::fstat(op.fd_direct >= 0 ? op.fd_direct : op.fd_buffered, &st);
   if (!write && st.st_size < file_offset + nbytes) {
-    if (op->fd_direct >= 0) ::close(op->fd_direct);
-    if (op->fd_buffered >= 0) ::close(op->fd_buffered);
+    close_fds(op);
     throw IoError("'" + path + "' is " + std::to_string(st.st_size) + " bytes, too short to read " +
                   std::to_string(nbytes) + " bytes at offset " + std::to_string(file_offset));
   }
-  op->truncate = write && file_offset == 0 && st.st_size > nbytes;
+  op.truncate = write && file_offset == 0 && st.st_size > nbytes;
+}
 
-  // Split into at most threads_ contiguous ranges of whole pieces.
-  const int64_t piece = direct ? (block_size_ + kAlign - 1) / kAlign * kAlign : block_size_;
+// Splits an opened operation into at most threads_ contiguous ranges of whole pieces and queues
+// them (in front of the queue for a deferred operation, which was its turn already).
+void AioHandle::enqueue_tasks_locked(const std::shared_ptr<Operation>& op, bool front) {
+  const int64_t nbytes = op->nbytes;
+  const int64_t piece = op->direct ? (block_size_ + kAlign - 1) / kAlign * kAlign : block_size_;
   const int64_t pieces = std::max<int64_t>(1, (nbytes + piece - 1) / piece);
   const int64_t tasks = std::min<int64_t>(threads_, pieces);
   op->remaining = static_cast<int>(tasks);
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (stopping_) throw std::invalid_argument("the aio handle is closed");
-    if (track) ++tracked_in_flight_;
-    for (int64_t t = 0; t < tasks; ++t) {
-      const int64_t b = std::min(nbytes, pieces * t / tasks * piece);
-      const int64_t e = t + 1 == tasks ? nbytes : std::min(nbytes, pieces * (t + 1) / tasks * piece);
+  for (int64_t k = 0; k < tasks; ++k) {
+    const int64_t t = front ? tasks - 1 - k : k;
+    const int64_t b = std::min(nbytes, pieces * t / tasks * piece);
+    const int64_t e = t + 1 == tasks ? nbytes : std::min(nbytes, pieces * (t + 1) / tasks * piece);
+    if (front)
+      queue_.push_front(Task{op, b, e});
+    else
       queue_.push_back(Task{op, b, e});
-    }
   }
-  work_cv_.notify_all();
-  return op;
 }
 
 std::shared_ptr<Operation> AioHandle::submit(bool write, uintptr_t ptr, int64_t nbytes, const std::string& path,
                                              int64_t file_offset, bool direct, bool track,
-                                             const std::string& rename_to) {
-  return start(write, ptr, nbytes, path, file_offset, direct, track, rename_to);
+                                             const std::string& rename_to, bool defer_open) {
+  return start(write, ptr, nbytes, path, file_offset, direct, track, rename_to, defer_open);
 }
 
 void AioHandle::run(bool write, uintptr_t ptr, int64_t nbytes, const std::string& path, int64_t file_offset,
                     bool direct) {
-  start(write, ptr, nbytes, path, file_offset, direct, false, "")->wait_done();
+  start(write, ptr, nbytes, path, file_offset, direct, false, "", false)->wait_done();
 }
 
 int64_t AioHandle::wait() {
@@ -418,6 +449,25 @@ void AioHandle::worker_loop(int /*index*/) {
       queue_.pop_front();
     }
     Operation& op = *task.op;
+    if (task.begin < 0) {  // a deferred operation's turn: open its files, then queue its ranges
+      std::string error;
+      try {
+        open_op(op);
+      } catch (const std::exception& e) {
+        error = e.what();
+      }
+      if (error.empty()) {
+        {
+          std::lock_guard<std::mutex> lock(mutex_);
+          enqueue_tasks_locked(task.op, true);
+        }
+        work_cv_.notify_all();
+      } else {
+        op.fail(error);
+        finish(task.op);
+      }
+      continue;
+    }
     char* mem = reinterpret_cast<char*>(op.ptr);
     std::string error;
     try {

@@ -51,6 +51,7 @@ struct Operation {
   std::string path;
   std::string rename_to;   // a write: the name the file gets once all its bytes are written
   int64_t file_offset = 0;
+  bool want_direct = false;  // O_DIRECT asked for (where alignment allows)
   bool direct = false;     // the body [0, tail_begin) moves through fd_direct
   int64_t tail_begin = 0;  // bytes from here on move through fd_buffered
   bool truncate = false;   // a write at offset 0 makes the file exactly nbytes long
@@ -81,8 +82,8 @@ struct Operation {
 
 struct Task {
   std::shared_ptr<Operation> op;
-  int64_t begin;  // byte range of the operation's buffer (and file, shifted by the file offset)
-  int64_t end;
+  int64_t begin;  // byte range of the operation's buffer (and file, shifted by the file offset);
+  int64_t end;    // begin < 0: open the (deferred) operation's files and queue its ranges
 };
 
 class AioHandle {
@@ -97,8 +98,12 @@ class AioHandle {
 
   // Starts an operation; returns at once. `direct` asks for O_DIRECT where alignment allows;
   // `track` counts it in wait()/pending(); `rename_to` (writes only, may be empty) see above.
+  // `defer_open`: the files are opened by a worker when the operation's turn comes (so that any
+  // number of queued operations hold no file descriptors; open errors then end the operation)
+  // instead of now (errors thrown here).
   std::shared_ptr<Operation> submit(bool write, uintptr_t ptr, int64_t nbytes, const std::string& path,
-                                    int64_t file_offset, bool direct, bool track, const std::string& rename_to);
+                                    int64_t file_offset, bool direct, bool track, const std::string& rename_to,
+                                    bool defer_open);
   // Runs an operation to completion on the pool; throws std::runtime_error naming path/offset/size.
   void run(bool write, uintptr_t ptr, int64_t nbytes, const std::string& path, int64_t file_offset, bool direct);
   // Waits for every tracked operation; returns how many completed; throws the errors, if any.
@@ -119,7 +124,11 @@ class AioHandle {
 
  private:
   std::shared_ptr<Operation> start(bool write, uintptr_t ptr, int64_t nbytes, const std::string& path,
-                                   int64_t file_offset, bool direct, bool track, const std::string& rename_to);
+                                   int64_t file_offset, bool direct, bool track, const std::string& rename_to,
+                                   bool defer_open);
+  void open_op(Operation& op);  // throws IoError naming the path; closes what it opened
+  static void close_fds(Operation& op);
+  void enqueue_tasks_locked(const std::shared_ptr<Operation>& op, bool front);
   void worker_loop(int index);
 
   const int64_t block_size_;

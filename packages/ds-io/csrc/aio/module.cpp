@@ -36,7 +36,8 @@ PYBIND11_MODULE(DS_OP_MODULE, m) {
            py::arg("single_submit"), py::arg("overlap_events"), py::arg("intra_op_parallelism"),
            py::arg("use_libaio"))
       .def("submit", &AioHandle::submit, py::arg("write"), py::arg("ptr"), py::arg("nbytes"), py::arg("path"),
-           py::arg("file_offset"), py::arg("direct"), py::arg("track"), py::arg("rename_to") = std::string(), nogil)
+           py::arg("file_offset"), py::arg("direct"), py::arg("track"), py::arg("rename_to") = std::string(),
+           py::arg("defer_open") = false, nogil)
       .def("run", &AioHandle::run, nogil)
       .def("wait", &AioHandle::wait, nogil)
       .def("pending", &AioHandle::pending)

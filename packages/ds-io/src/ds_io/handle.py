@@ -262,17 +262,19 @@ class AsyncIOHandle:
 
     def _start(self, write: bool, tensor: torch.Tensor, path: PathLike, file_offset: int = 0,
                rename_to: PathLike | None = None):
-        """Start one operation on a contiguous CPU tensor and return the native operation (its own
-        ``done()``/``wait()``); not counted by ``wait()``/``pending()``. The caller keeps
-        ``tensor`` alive until the operation is done. ``rename_to``: a write's file takes this
-        name once all its bytes are written (never when it fails)."""
+        """Queue one operation on a contiguous CPU tensor and return the native operation (its own
+        ``done()``/``wait()``); not counted by ``wait()``/``pending()``. Its files are opened when
+        a worker reaches it (queued operations hold no file descriptors), so errors, opening ones
+        included, come from its ``wait()``. The caller keeps ``tensor`` alive until it is done.
+        ``rename_to``: a write's file takes this name once all its bytes are written (never when
+        it fails)."""
         verb = "pwrite" if write else "pread"
         path, nbytes = self._check_io(verb, write, tensor, path, file_offset)
         if tensor.device.type != "cpu":
             raise ValueError(f"{verb}('{path}'): expected a CPU tensor, got one on {tensor.device}")
         direct = self._direct and (write or not self._buffered_reads)
         return self._handle.submit(write, tensor.data_ptr(), nbytes, path, file_offset, direct, False,
-                                   os.fspath(rename_to) if rename_to is not None else "")
+                                   os.fspath(rename_to) if rename_to is not None else "", True)
 
     def _host_view(self, write: bool, tensor: torch.Tensor, path: str, verb: str):
         """The CPU tensor the op works on, and what to do after a read completes (CUDA copy)."""
