@@ -60,25 +60,6 @@ std::string move_posix(const Operation& op, int fd, char* mem, int64_t begin, in
   return "";
 }
 
-// Buffered reads: pread piece by piece while asking the kernel (posix_fadvise WILLNEED) to have
-// the next `depth` pieces on their way, so that a single worker keeps many reads in flight
-// instead of waiting on the kernel's own readahead window.
-std::string move_buffered_read(const Operation& op, int fd, char* mem, int64_t begin, int64_t end, int64_t piece,
-                               int64_t depth) {
-  const int64_t window = piece * std::max<int64_t>(1, depth);
-  int64_t advised = begin;  // [begin, advised) has been asked for
-  for (int64_t pos = begin; pos < end; pos += piece) {
-    const int64_t target = std::min(end, pos + window);
-    if (advised < target) {
-      ::posix_fadvise(fd, op.file_offset + advised, target - advised, POSIX_FADV_WILLNEED);  // a hint
-      advised = target;
-    }
-    std::string err = move_posix(op, fd, mem, pos, std::min(end, pos + piece), piece);
-    if (!err.empty()) return err;
-  }
-  return "";
-}
-
 struct AlignedBuffer {
   char* data = nullptr;
   int64_t size = 0;
@@ -493,10 +474,10 @@ void AioHandle::worker_loop(int /*index*/) {
       }
       const int64_t tail_start = std::max(task.begin, body_end);
       if (error.empty() && tail_start < task.end) {
-        if (!op.write && !op.direct)
-          error = move_buffered_read(op, op.fd_buffered, mem, tail_start, task.end, block_size_, queue_depth_);
-        else
-          error = move_posix(op, op.fd_buffered, mem, tail_start, task.end, block_size_);
+        // Buffered reads ask for queue_depth pieces per call (the bytes the libaio path keeps in
+        // flight): the larger the read, the more the kernel's readahead keeps in flight.
+        const int64_t piece = !op.write && !op.direct ? std::min(kMaxBlockSize, block_size_ * queue_depth_) : block_size_;
+        error = move_posix(op, op.fd_buffered, mem, tail_start, task.end, piece);
       }
     } catch (const std::exception& e) {
       error = describe(op, task.begin, task.end - task.begin) + " failed: " + e.what();

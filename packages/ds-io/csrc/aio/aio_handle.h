@@ -13,9 +13,9 @@
 // unaligned length moves its aligned body direct and its last < kAlign bytes buffered. Each such
 // fallback is recorded as a note that Python logs (never a silent fallback).
 //
-// Buffered reads (O_DIRECT off, or an unaligned file offset) keep `queue_depth` pieces of kernel
-// readahead in flight ahead of the copy (posix_fadvise WILLNEED), so that they too have many
-// reads outstanding.
+// Buffered reads (O_DIRECT off, or an unaligned file offset) read block_size x queue_depth bytes
+// (at most kMaxBlockSize) per call, with POSIX_FADV_SEQUENTIAL: the kernel's readahead then keeps
+// many large reads in flight (asking for each next piece with WILLNEED measured slower).
 //
 // Every operation is an `Operation` the caller may hold and wait for on its own (`done()`,
 // `wait()`); a whole-file write may name `rename_to`, the final name the file gets once all its

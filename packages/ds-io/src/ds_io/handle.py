@@ -54,8 +54,9 @@ class AsyncIOHandle:
     Arguments and defaults are DeepSpeed's ``aio_handle``; their ranges are in ``ds_io._limits``
     (``ValueError`` naming the argument and the range outside them). Keyword-only extras:
     ``use_direct_io`` (O_DIRECT where alignment allows, default True), ``buffered_reads`` (reads
-    go through the page cache with ``queue_depth`` pieces of kernel readahead in flight per
-    worker, writes stay O_DIRECT; default False; ``ds-nvme-tune`` measures which is faster) and
+    go through the page cache, ``block_size x queue_depth`` bytes per call (at most 256 MiB) so
+    that the kernel's readahead keeps large reads in flight; writes stay O_DIRECT; default False;
+    ``ds-nvme-tune`` measures which is faster) and
     ``use_libaio`` (Linux AIO when the op was built with it, default True; False uses
     pread/pwrite workers).
     """
