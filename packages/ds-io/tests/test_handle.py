@@ -279,6 +279,22 @@ def test_failed_async_write_is_reported_by_wait(tmp_path, handle):
         handle.wait()
 
 
+def test_close_finishes_queued_request_operations(tmp_path):
+    # the swapper's operations are not counted by wait(); close() must still let them finish
+    code = textwrap.dedent(f"""
+        import os, torch
+        from ds_io import AsyncIOHandle
+        h = AsyncIOHandle(intra_op_parallelism=1)
+        tensors = [torch.full((1 << 18,), float(k)) for k in range(40)]
+        ops = [h._start(True, t, os.path.join({str(tmp_path)!r}, str(k))) for k, t in enumerate(tensors)]
+        h.close()
+        print(all(op.done() for op in ops))
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout.strip()) == (0, "True"), done.stderr
+    assert all((tmp_path / str(k)).read_bytes() == tensor_bytes(torch.full((1 << 18,), float(k))) for k in range(40))
+
+
 def test_closed_handle(tmp_path):
     h = AsyncIOHandle()
     h.async_pwrite(torch.ones(10), tmp_path / "c.bin")

@@ -412,7 +412,7 @@ void AioHandle::finish(const std::shared_ptr<Operation>& op) {
     op->done = true;
   }
   op->cv.notify_all();
-  if (op->track) done_cv_.notify_all();
+  done_cv_.notify_all();  // close() waits for the queue to drain, untracked operations included
 }
 
 void AioHandle::worker_loop(int /*index*/) {

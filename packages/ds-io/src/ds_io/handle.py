@@ -214,6 +214,7 @@ class AsyncIOHandle:
                 f"single_submit={self._single_submit}, overlap_events={self._overlap_events}, "
                 f"intra_op_parallelism={self._intra_op_parallelism}, "
                 f"backend={'libaio' if self.uses_libaio() else 'pread/pwrite'}"
+                f"{', buffered_reads=True' if self._buffered_reads else ''}"
                 f"{', closed' if self._closed else ''})")
 
     # ---- internals ---------------------------------------------------------------------------------
