@@ -6,13 +6,17 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import subprocess
+import sys
+import textwrap
 import weakref
 
 import pytest
 import torch
 
 import ds_io
-from ds_io.handle import AsyncIOHandle
+from ds_io import _limits
+from ds_io.handle import AsyncIOHandle, _core
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.int64, torch.bool, torch.float64]
 
@@ -60,9 +64,10 @@ def test_locked_tensor_is_aligned_and_roundtrips_through_libaio(tmp_path, handle
     u = handle.new_cpu_locked_tensor(50_000, example)
     handle.sync_pread(u, tmp_path / "locked.bin")
     assert tensor_bytes(u) == tensor_bytes(t) == (tmp_path / "locked.bin").read_bytes()
-    handle.free_cpu_locked_tensor(t)
-    with pytest.raises(ValueError, match="was not made by this handle's new_cpu_locked_tensor, or was freed"):
-        handle.free_cpu_locked_tensor(t)
+    assert handle.free_cpu_locked_tensor(t) is True
+    assert handle.free_cpu_locked_tensor(t) is False  # freed already: DeepSpeed's False
+    assert handle.free_cpu_locked_tensor(torch.empty(10)) is False  # never made by the handle
+    assert handle.free_cpu_locked_tensor(u) is True
     with pytest.raises(ValueError, match="num_elem must be a positive integer, got 0"):
         handle.new_cpu_locked_tensor(0, example)
 
@@ -146,15 +151,82 @@ def test_getters_report_the_settings():
         assert h.uses_libaio() == ds_io.AsyncIOBuilder().load().have_libaio()
 
 
+BLOCK, DEPTH, THREADS = "[4096, 268435456]", "[1, 65536]", "[1, 256]"
+
+
 @pytest.mark.parametrize("kwargs, message", [
-    ({"block_size": 0}, "block_size must be a positive integer, got 0"),
-    ({"queue_depth": -1}, "queue_depth must be a positive integer, got -1"),
-    ({"intra_op_parallelism": 1.5}, "intra_op_parallelism must be a positive integer, got 1.5"),
+    ({"block_size": 0}, f"block_size must be an integer in {BLOCK}, got 0"),
+    ({"block_size": 2**40}, f"block_size must be an integer in {BLOCK}, got 1099511627776"),
+    ({"block_size": 512}, f"block_size must be an integer in {BLOCK}, got 512"),
+    ({"queue_depth": -1}, f"queue_depth must be an integer in {DEPTH}, got -1"),
+    ({"queue_depth": 10**12}, f"queue_depth must be an integer in {DEPTH}, got 1000000000000"),
+    ({"queue_depth": 65537}, f"queue_depth must be an integer in {DEPTH}, got 65537"),
+    ({"intra_op_parallelism": 1.5}, f"intra_op_parallelism must be an integer in {THREADS}, got 1.5"),
+    ({"intra_op_parallelism": 100000}, f"intra_op_parallelism must be an integer in {THREADS}, got 100000"),
+    ({"intra_op_parallelism": True}, f"intra_op_parallelism must be an integer in {THREADS}, got True"),
     ({"single_submit": "yes"}, "single_submit must be True or False, got 'yes'"),
+    ({"buffered_reads": 1}, "buffered_reads must be True or False, got 1"),
 ])
-def test_bad_settings_name_the_value(kwargs, message):
-    with pytest.raises(ValueError, match=message):
+def test_bad_settings_name_the_value_and_range(kwargs, message):
+    with pytest.raises(ValueError, match=message.replace("[", "\\[").replace("]", "\\]")):
         AsyncIOHandle(**kwargs)
+
+
+def test_the_limits_are_the_native_cores():
+    assert _core().LIMITS == _limits.RANGES
+    assert _limits.RANGES["queue_depth"] == (_limits.QUEUE_DEPTH_MIN, _limits.QUEUE_DEPTH_MAX)
+    for name, (low, high) in _limits.RANGES.items():  # the bounds themselves are allowed
+        assert _limits.check_range(name, low) == low and _limits.check_range(name, high) == high
+
+
+@pytest.mark.parametrize("args, message", [
+    ((1 << 20, 8, 100000), f"intra_op_parallelism must be an integer in {THREADS}, got 100000"),
+    ((1 << 20, 10**12, 1), f"queue_depth must be an integer in {DEPTH}, got 1000000000000"),
+    ((2**40, 8, 1), f"block_size must be an integer in {BLOCK}, got 1099511627776"),
+])
+def test_the_native_core_refuses_bad_values_itself_without_aborting(args, message):
+    # Past the Python checks, straight into C++: once aborted (intra_op_parallelism), failed in
+    # pybind (queue_depth), or bad_alloc (block_size). In a subprocess, so an abort shows as one.
+    block_size, queue_depth, threads = args
+    code = textwrap.dedent(f"""
+        from ds_io.handle import _core
+        try:
+            _core().AioHandle({block_size}, {queue_depth}, False, False, {threads}, True)
+        except ValueError as e:
+            print("ValueError:", e)
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == f"ValueError: {message}"
+
+
+def test_python_handle_with_100000_threads_does_not_abort():
+    code = "import ds_io\ntry:\n    ds_io.aio_handle(intra_op_parallelism=100000)\nexcept ValueError as e:\n    print(e)\n"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stdout.strip()) == (0, f"intra_op_parallelism must be an integer in {THREADS}, "
+                                                          "got 100000"), done.stderr
+
+
+def test_threads_that_cannot_start_raise_instead_of_aborting():
+    # 256 threads need 2 GiB of stacks; an address-space limit makes thread creation fail midway.
+    code = textwrap.dedent("""
+        import resource, threading
+        from ds_io.handle import _core
+        core = _core()
+        threading.stack_size(0)
+        with open("/proc/self/statm") as f:
+            used = int(f.read().split()[0]) * resource.getpagesize()
+        resource.setrlimit(resource.RLIMIT_AS, (used + (256 << 20), resource.RLIM_INFINITY))
+        try:
+            core.AioHandle(1 << 20, 8, False, False, 256, False)
+            print("started")
+        except RuntimeError as e:
+            print("RuntimeError:", e)
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("RuntimeError: cannot start 256 worker threads (intra_op_parallelism; "), done.stdout
+    assert "use fewer threads" in done.stdout
 
 
 # ---- errors --------------------------------------------------------------------------------------
@@ -207,6 +279,22 @@ def test_failed_async_write_is_reported_by_wait(tmp_path, handle):
         handle.wait()
 
 
+def test_close_finishes_queued_request_operations(tmp_path):
+    # the swapper's operations are not counted by wait(); close() must still let them finish
+    code = textwrap.dedent(f"""
+        import os, torch
+        from ds_io import AsyncIOHandle
+        h = AsyncIOHandle(intra_op_parallelism=1)
+        tensors = [torch.full((1 << 18,), float(k)) for k in range(40)]
+        ops = [h._start(True, t, os.path.join({str(tmp_path)!r}, str(k))) for k, t in enumerate(tensors)]
+        h.close()
+        print(all(op.done() for op in ops))
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout.strip()) == (0, "True"), done.stderr
+    assert all((tmp_path / str(k)).read_bytes() == tensor_bytes(torch.full((1 << 18,), float(k))) for k in range(40))
+
+
 def test_closed_handle(tmp_path):
     h = AsyncIOHandle()
     h.async_pwrite(torch.ones(10), tmp_path / "c.bin")
@@ -240,8 +328,71 @@ def test_fallbacks_are_logged(tmp_path, handle, caplog):
 def test_gds(tmp_path):
     if ds_io.gds_available():
         pytest.skip("GPUDirect Storage is present here")
-    with pytest.raises(RuntimeError, match="gds_handle needs NVIDIA GPUDirect Storage, but"):
+    with pytest.raises(RuntimeError, match=r"gds_handle requires GPUDirect Storage \(NVIDIA GPU \+ cuFile\), but"):
         ds_io.gds_handle()
+
+
+def test_gds_device_pinning_raises_instead_of_pretending(monkeypatch, caplog):
+    import ds_io.handle as handle_module
+    monkeypatch.setattr(handle_module, "_gds_missing", lambda: "")  # as where GPUDirect Storage is present
+    with caplog.at_level(logging.WARNING, logger="ds_io.handle"), ds_io.gds_handle() as h:
+        assert "cuFile is not driven yet" in caplog.text
+        t = torch.empty(16)
+        for call in (lambda: h.new_pinned_device_tensor(16, t), lambda: h.free_pinned_device_tensor(t),
+                     lambda: h.pin_device_tensor(t), lambda: h.unpin_device_tensor(t)):
+            with pytest.raises(RuntimeError, match=r"requires GPUDirect Storage \(NVIDIA GPU \+ cuFile\)"):
+                call()
+
+
+# ---- DeepSpeed's calling conventions ----------------------------------------------------------------
+def test_return_values_are_deepspeeds(tmp_path, handle):
+    t = random_tensor(8192, torch.uint8)
+    u = torch.empty_like(t)
+    path = tmp_path / "ds.bin"
+    assert handle.sync_pwrite(t, path) == 1
+    assert handle.sync_pread(u, path) == 1
+    assert handle.pwrite(t, path, False, False) == 1
+    assert handle.pread(u, path, False, False) == 1
+    assert handle.write(t, path, False) == 1
+    assert handle.read(u, path, True) == 1
+    assert handle.async_pwrite(t, path) == 0
+    assert handle.wait() == 1
+    assert handle.async_pread(u, path) == 0
+    assert handle.pread(u, path, False, True, 0) == 0
+    assert handle.wait() == 2
+    assert tensor_bytes(u) == tensor_bytes(t)
+
+
+def test_deepspeeds_keywords_are_accepted(tmp_path, handle):
+    t = random_tensor(5000, torch.int16)
+    u = torch.empty_like(t)
+    path = tmp_path / "kw.bin"
+    assert handle.sync_pwrite(buffer=t, filename=path) == 1
+    assert handle.sync_pread(buffer=u, filename=str(path), file_offset=0) == 1
+    assert handle.async_pwrite(buffer=t, filename=path, file_offset=4096) == 0
+    assert handle.wait() == 1
+    assert handle.pread(buffer=u, filename=path, validate=True, async_op=False, file_offset=4096) == 1
+    assert handle.write(buffer=t, filename=path, validate=True) == 1
+    assert handle.read(buffer=u, filename=path, validate=False, file_offset=0) == 1
+    assert tensor_bytes(u) == tensor_bytes(t) == path.read_bytes()
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_buffered_reads_with_readahead(tmp_path, threads):
+    data = random_tensor(3 * (1 << 20) + 4096 * 7 + 5, torch.uint8, 9)  # unaligned size, several pieces
+    path = tmp_path / "b.bin"
+    path.write_bytes(tensor_bytes(data))
+    with AsyncIOHandle(block_size=65536, queue_depth=4, intra_op_parallelism=threads, buffered_reads=True) as h:
+        assert h.uses_buffered_reads()
+        u = h.new_cpu_locked_tensor(data.numel(), data)
+        assert h.sync_pread(u, path) == 1
+        assert tensor_bytes(u) == tensor_bytes(data)
+        part = torch.empty(200_000, dtype=torch.uint8)
+        assert h.async_pread(part, path, file_offset=12_345) == 0 and h.wait() == 1
+        assert tensor_bytes(part) == tensor_bytes(data[12_345:212_345])
+        h.sync_pwrite(data[:8192].clone(), tmp_path / "w.bin")  # writes are unaffected
+        assert (tmp_path / "w.bin").read_bytes() == tensor_bytes(data[:8192])
+    assert not AsyncIOHandle().uses_buffered_reads()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

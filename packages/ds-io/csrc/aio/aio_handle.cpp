@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <stdexcept>
+#include <system_error>
 
 #ifdef DS_IO_HAVE_LIBAIO
 #include <libaio.h>
@@ -20,33 +21,11 @@
 
 namespace ds_io {
 
-struct Operation {
-  bool write = false;
-  uintptr_t ptr = 0;
-  int64_t nbytes = 0;
-  std::string path;
-  int64_t file_offset = 0;
-  bool direct = false;     // the body [0, tail_begin) moves through fd_direct
-  int64_t tail_begin = 0;  // bytes from here on move through fd_buffered
-  bool truncate = false;   // a write at offset 0 makes the file exactly nbytes long
-  bool track = false;
-  int fd_direct = -1;
-  int fd_buffered = -1;
-  std::atomic<int> remaining{0};
-  std::mutex mutex;
-  std::condition_variable cv;
-  bool done = false;
-  std::vector<std::string> errors;
-
-  void fail(const std::string& what) {
-    std::lock_guard<std::mutex> lock(mutex);
-    errors.push_back(what);
-  }
-  bool failed() {
-    std::lock_guard<std::mutex> lock(mutex);
-    return !errors.empty();
-  }
-};
+void Operation::wait_done() {
+  std::unique_lock<std::mutex> lock(mutex);
+  cv.wait(lock, [&] { return done; });
+  if (!errors.empty()) throw IoError(join(errors));
+}
 
 namespace {
 
@@ -206,19 +185,40 @@ std::string move_libaio(io_context_t ctx, int queue_depth, bool single_submit, b
 
 }  // namespace
 
-AioHandle::AioHandle(int64_t block_size, int queue_depth, bool single_submit, bool overlap_events,
-                     int intra_op_parallelism, bool use_libaio)
-    : block_size_(block_size),
-      queue_depth_(queue_depth),
+namespace {
+int64_t in_range(const char* name, int64_t value, int64_t lo, int64_t hi) {
+  if (value < lo || value > hi)
+    throw std::invalid_argument(std::string(name) + " must be an integer in [" + std::to_string(lo) + ", " +
+                                std::to_string(hi) + "], got " + std::to_string(value));
+  return value;
+}
+}  // namespace
+
+AioHandle::AioHandle(int64_t block_size, int64_t queue_depth, bool single_submit, bool overlap_events,
+                     int64_t intra_op_parallelism, bool use_libaio)
+    : block_size_(in_range("block_size", block_size, kMinBlockSize, kMaxBlockSize)),
+      queue_depth_(static_cast<int>(in_range("queue_depth", queue_depth, kMinQueueDepth, kMaxQueueDepth))),
       single_submit_(single_submit),
       overlap_events_(overlap_events),
-      threads_(intra_op_parallelism),
+      threads_(static_cast<int>(
+          in_range("intra_op_parallelism", intra_op_parallelism, kMinIntraOpParallelism, kMaxIntraOpParallelism))),
       use_libaio_(use_libaio && have_libaio()) {
-  if (block_size <= 0) throw std::invalid_argument("block_size must be a positive number of bytes, got " + std::to_string(block_size));
-  if (queue_depth <= 0) throw std::invalid_argument("queue_depth must be a positive integer, got " + std::to_string(queue_depth));
-  if (intra_op_parallelism <= 0)
-    throw std::invalid_argument("intra_op_parallelism must be a positive integer, got " + std::to_string(intra_op_parallelism));
-  for (int k = 0; k < threads_; ++k) workers_.emplace_back([this, k] { worker_loop(k); });
+  try {
+    for (int k = 0; k < threads_; ++k) workers_.emplace_back([this, k] { worker_loop(k); });
+  } catch (const std::system_error& e) {
+    // Never leave a joinable std::thread behind (that would terminate the process).
+    const size_t started = workers_.size();
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stopping_ = true;
+    }
+    work_cv_.notify_all();
+    for (auto& t : workers_) t.join();
+    workers_.clear();
+    throw std::runtime_error("cannot start " + std::to_string(threads_) + " worker threads (intra_op_parallelism; " +
+                             std::to_string(started) + " started): " + e.what() +
+                             "; use fewer threads or raise the process/thread limit");
+  }
 }
 
 AioHandle::~AioHandle() { close(); }
@@ -253,7 +253,9 @@ int64_t AioHandle::pending() const {
 }
 
 std::shared_ptr<Operation> AioHandle::start(bool write, uintptr_t ptr, int64_t nbytes, const std::string& path,
-                                            int64_t file_offset, bool direct, bool track) {
+                                            int64_t file_offset, bool direct, bool track,
+                                            const std::string& rename_to, bool defer_open) {
+  if (!write && !rename_to.empty()) throw std::invalid_argument("rename_to applies to writes only");
   if (nbytes < 0 || file_offset < 0)
     throw std::invalid_argument("'" + path + "': size and file offset must be >= 0, got size " + std::to_string(nbytes) +
                                 " at offset " + std::to_string(file_offset));
@@ -264,10 +266,42 @@ std::shared_ptr<Operation> AioHandle::start(bool write, uintptr_t ptr, int64_t n
   op->path = path;
   op->file_offset = file_offset;
   op->track = track;
+  op->rename_to = rename_to;
+  op->want_direct = direct;
+  if (!defer_open) open_op(*op);  // errors reach the caller now
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (stopping_) {
+      close_fds(*op);
+      throw std::invalid_argument("the aio handle is closed");
+    }
+    if (track) ++tracked_in_flight_;
+    if (defer_open) {
+      op->remaining = 1;
+      queue_.push_back(Task{op, -1, -1});  // a worker opens it when it gets there
+    } else {
+      enqueue_tasks_locked(op, false);
+    }
+  }
+  work_cv_.notify_all();
+  return op;
+}
+
+void AioHandle::close_fds(Operation& op) {
+  if (op.fd_direct >= 0) ::close(op.fd_direct);
+  if (op.fd_buffered >= 0) ::close(op.fd_buffered);
+  op.fd_direct = op.fd_buffered = -1;
+}
+
+void AioHandle::open_op(Operation& op) {
+  const std::string& path = op.path;
+  const bool write = op.write;
+  const int64_t nbytes = op.nbytes;
+  const int64_t file_offset = op.file_offset;
+  bool direct = op.want_direct;
   const int base = write ? (O_WRONLY | O_CREAT) : O_RDONLY;
-  const std::string what = std::string(write ? "cannot open '" : "cannot open '") + path + "' to " +
-                           (write ? "write " : "read ") + std::to_string(nbytes) + " bytes at offset " +
-                           std::to_string(file_offset) + ": ";
+  const std::string what = "cannot open '" + path + "' to " + (write ? "write " : "read ") + std::to_string(nbytes) +
+                           " bytes at offset " + std::to_string(file_offset) + ": ";
 
   if (direct && file_offset % kAlign != 0) {
     note("'" + path + "': file offset " + std::to_string(file_offset) + " is not a multiple of " +
@@ -275,69 +309,68 @@ std::shared_ptr<Operation> AioHandle::start(bool write, uintptr_t ptr, int64_t n
     direct = false;
   }
   if (direct && nbytes >= kAlign) {
-    op->fd_direct = ::open(path.c_str(), base | O_DIRECT | O_CLOEXEC, 0644);
-    if (op->fd_direct < 0 && errno == EINVAL) {
+    op.fd_direct = ::open(path.c_str(), base | O_DIRECT | O_CLOEXEC, 0644);
+    if (op.fd_direct < 0 && errno == EINVAL) {
       note("'" + path + "': the filesystem refuses O_DIRECT: buffered I/O instead");
       direct = false;
-    } else if (op->fd_direct < 0) {
+    } else if (op.fd_direct < 0) {
       throw IoError(what + errno_text(errno));
     }
   } else {
     direct = false;
   }
-  op->direct = direct;
-  op->tail_begin = direct ? nbytes / kAlign * kAlign : 0;
-  if (direct && op->tail_begin < nbytes)
+  op.direct = direct;
+  op.tail_begin = direct ? nbytes / kAlign * kAlign : 0;
+  if (direct && op.tail_begin < nbytes)
     note("'" + path + "': size " + std::to_string(nbytes) + " is not a multiple of " + std::to_string(kAlign) +
-         ": the last " + std::to_string(nbytes - op->tail_begin) + " bytes go through buffered I/O");
-  if (op->tail_begin < nbytes || nbytes == 0) {
-    op->fd_buffered = ::open(path.c_str(), base | O_CLOEXEC, 0644);
-    if (op->fd_buffered < 0) {
+         ": the last " + std::to_string(nbytes - op.tail_begin) + " bytes go through buffered I/O");
+  if (op.tail_begin < nbytes || nbytes == 0) {
+    op.fd_buffered = ::open(path.c_str(), base | O_CLOEXEC, 0644);
+    if (op.fd_buffered < 0) {
       const int err = errno;
-      if (op->fd_direct >= 0) ::close(op->fd_direct);
+      close_fds(op);
       throw IoError(what + errno_text(err));
     }
+    if (!write && !direct) ::posix_fadvise(op.fd_buffered, 0, 0, POSIX_FADV_SEQUENTIAL);  // a hint
   }
   struct stat st {};
-  ::fstat(op->fd_direct >= 0 ? op->fd_direct : op->fd_buffered, &st);
+  ::fstat(op.fd_direct >= 0 ? op.fd_direct : op.fd_buffered, &st);
   if (!write && st.st_size < file_offset + nbytes) {
-    if (op->fd_direct >= 0) ::close(op->fd_direct);
-    if (op->fd_buffered >= 0) ::close(op->fd_buffered);
+    close_fds(op);
     throw IoError("'" + path + "' is " + std::to_string(st.st_size) + " bytes, too short to read " +
                   std::to_string(nbytes) + " bytes at offset " + std::to_string(file_offset));
   }
-  op->truncate = write && file_offset == 0 && st.st_size > nbytes;
+  op.truncate = write && file_offset == 0 && st.st_size > nbytes;
+}
 
-  // Split into at most threads_ contiguous ranges of whole pieces.
-  const int64_t piece = direct ? (block_size_ + kAlign - 1) / kAlign * kAlign : block_size_;
+// Splits an opened operation into at most threads_ contiguous ranges of whole pieces and queues
+// them (in front of the queue for a deferred operation, which was its turn already).
+void AioHandle::enqueue_tasks_locked(const std::shared_ptr<Operation>& op, bool front) {
+  const int64_t nbytes = op->nbytes;
+  const int64_t piece = op->direct ? (block_size_ + kAlign - 1) / kAlign * kAlign : block_size_;
   const int64_t pieces = std::max<int64_t>(1, (nbytes + piece - 1) / piece);
   const int64_t tasks = std::min<int64_t>(threads_, pieces);
   op->remaining = static_cast<int>(tasks);
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (stopping_) throw std::invalid_argument("the aio handle is closed");
-    if (track) ++tracked_in_flight_;
-    for (int64_t t = 0; t < tasks; ++t) {
-      const int64_t b = std::min(nbytes, pieces * t / tasks * piece);
-      const int64_t e = t + 1 == tasks ? nbytes : std::min(nbytes, pieces * (t + 1) / tasks * piece);
+  for (int64_t k = 0; k < tasks; ++k) {
+    const int64_t t = front ? tasks - 1 - k : k;
+    const int64_t b = std::min(nbytes, pieces * t / tasks * piece);
+    const int64_t e = t + 1 == tasks ? nbytes : std::min(nbytes, pieces * (t + 1) / tasks * piece);
+    if (front)
+      queue_.push_front(Task{op, b, e});
+    else
       queue_.push_back(Task{op, b, e});
-    }
   }
-  work_cv_.notify_all();
-  return op;
 }
 
-void AioHandle::submit(bool write, uintptr_t ptr, int64_t nbytes, const std::string& path, int64_t file_offset,
-                       bool direct, bool track) {
-  start(write, ptr, nbytes, path, file_offset, direct, track);
+std::shared_ptr<Operation> AioHandle::submit(bool write, uintptr_t ptr, int64_t nbytes, const std::string& path,
+                                             int64_t file_offset, bool direct, bool track,
+                                             const std::string& rename_to, bool defer_open) {
+  return start(write, ptr, nbytes, path, file_offset, direct, track, rename_to, defer_open);
 }
 
 void AioHandle::run(bool write, uintptr_t ptr, int64_t nbytes, const std::string& path, int64_t file_offset,
                     bool direct) {
-  auto op = start(write, ptr, nbytes, path, file_offset, direct, false);
-  std::unique_lock<std::mutex> lock(op->mutex);
-  op->cv.wait(lock, [&] { return op->done; });
-  if (!op->errors.empty()) throw IoError(join(op->errors));
+  start(write, ptr, nbytes, path, file_offset, direct, false, "", false)->wait_done();
 }
 
 int64_t AioHandle::wait() {
@@ -366,6 +399,8 @@ void AioHandle::finish(const std::shared_ptr<Operation>& op) {
       op->fail(describe(*op, 0, op->nbytes) + ": close failed: " + errno_text(errno));
     *fd = -1;
   }
+  if (!op->rename_to.empty() && !op->failed() && ::rename(op->path.c_str(), op->rename_to.c_str()) != 0)
+    op->fail(describe(*op, 0, op->nbytes) + ": renaming it to '" + op->rename_to + "' failed: " + errno_text(errno));
   if (op->track) {
     std::lock_guard<std::mutex> lock(mutex_);
     --tracked_in_flight_;
@@ -377,7 +412,7 @@ void AioHandle::finish(const std::shared_ptr<Operation>& op) {
     op->done = true;
   }
   op->cv.notify_all();
-  if (op->track) done_cv_.notify_all();
+  done_cv_.notify_all();  // close() waits for the queue to drain, untracked operations included
 }
 
 void AioHandle::worker_loop(int /*index*/) {
@@ -395,6 +430,25 @@ void AioHandle::worker_loop(int /*index*/) {
       queue_.pop_front();
     }
     Operation& op = *task.op;
+    if (task.begin < 0) {  // a deferred operation's turn: open its files, then queue its ranges
+      std::string error;
+      try {
+        open_op(op);
+      } catch (const std::exception& e) {
+        error = e.what();
+      }
+      if (error.empty()) {
+        {
+          std::lock_guard<std::mutex> lock(mutex_);
+          enqueue_tasks_locked(task.op, true);
+        }
+        work_cv_.notify_all();
+      } else {
+        op.fail(error);
+        finish(task.op);
+      }
+      continue;
+    }
     char* mem = reinterpret_cast<char*>(op.ptr);
     std::string error;
     try {
@@ -406,7 +460,8 @@ void AioHandle::worker_loop(int /*index*/) {
         } else {
 #ifdef DS_IO_HAVE_LIBAIO
           if (aio_ok && !aio.ensure(queue_depth_)) {
-            note("libaio unavailable (" + aio.error + "): this worker uses pread/pwrite");
+            note("libaio unavailable (" + aio.error + "; queue_depth x intra_op_parallelism may exceed the "
+                 "free part of /proc/sys/fs/aio-max-nr): this worker uses pread/pwrite");
             aio_ok = false;
           }
           if (aio_ok)
@@ -418,8 +473,12 @@ void AioHandle::worker_loop(int /*index*/) {
         }
       }
       const int64_t tail_start = std::max(task.begin, body_end);
-      if (error.empty() && tail_start < task.end)
-        error = move_posix(op, op.fd_buffered, mem, tail_start, task.end, block_size_);
+      if (error.empty() && tail_start < task.end) {
+        // Buffered reads ask for queue_depth pieces per call (the bytes the libaio path keeps in
+        // flight): the larger the read, the more the kernel's readahead keeps in flight.
+        const int64_t piece = !op.write && !op.direct ? std::min(kMaxBlockSize, block_size_ * queue_depth_) : block_size_;
+        error = move_posix(op, op.fd_buffered, mem, tail_start, task.end, piece);
+      }
     } catch (const std::exception& e) {
       error = describe(op, task.begin, task.end - task.begin) + " failed: " + e.what();
     }

@@ -12,6 +12,14 @@
 // buffered; an unaligned address goes direct through per-worker aligned bounce buffers; an
 // unaligned length moves its aligned body direct and its last < kAlign bytes buffered. Each such
 // fallback is recorded as a note that Python logs (never a silent fallback).
+//
+// Buffered reads (O_DIRECT off, or an unaligned file offset) read block_size x queue_depth bytes
+// (at most kMaxBlockSize) per call, with POSIX_FADV_SEQUENTIAL: the kernel's readahead then keeps
+// many large reads in flight (asking for each next piece with WILLNEED measured slower).
+//
+// Every operation is an `Operation` the caller may hold and wait for on its own (`done()`,
+// `wait()`); a whole-file write may name `rename_to`, the final name the file gets once all its
+// bytes are written (never when the write fails).
 #pragma once
 
 #include <atomic>
@@ -28,25 +36,74 @@ namespace ds_io {
 
 constexpr int64_t kAlign = 4096;
 
-struct Operation;
+// The settings' allowed ranges (ds_io/_limits.py holds the same numbers; a test compares them).
+constexpr int64_t kMinBlockSize = 4096;               // one O_DIRECT alignment unit
+constexpr int64_t kMaxBlockSize = int64_t(256) << 20;  // 256 MiB
+constexpr int64_t kMinQueueDepth = 1;
+constexpr int64_t kMaxQueueDepth = 65536;             // the default of /proc/sys/fs/aio-max-nr
+constexpr int64_t kMinIntraOpParallelism = 1;
+constexpr int64_t kMaxIntraOpParallelism = 256;
+
+struct Operation {
+  bool write = false;
+  uintptr_t ptr = 0;
+  int64_t nbytes = 0;
+  std::string path;
+  std::string rename_to;   // a write: the name the file gets once all its bytes are written
+  int64_t file_offset = 0;
+  bool want_direct = false;  // O_DIRECT asked for (where alignment allows)
+  bool direct = false;     // the body [0, tail_begin) moves through fd_direct
+  int64_t tail_begin = 0;  // bytes from here on move through fd_buffered
+  bool truncate = false;   // a write at offset 0 makes the file exactly nbytes long
+  bool track = false;
+  int fd_direct = -1;
+  int fd_buffered = -1;
+  std::atomic<int> remaining{0};
+  std::mutex mutex;
+  std::condition_variable cv;
+  bool done = false;
+  std::vector<std::string> errors;
+
+  void fail(const std::string& what) {
+    std::lock_guard<std::mutex> lock(mutex);
+    errors.push_back(what);
+  }
+  bool failed() {
+    std::lock_guard<std::mutex> lock(mutex);
+    return !errors.empty();
+  }
+  bool is_done() {
+    std::lock_guard<std::mutex> lock(mutex);
+    return done;
+  }
+  // Blocks until the operation completes; throws IoError with its errors, if any.
+  void wait_done();
+};
 
 struct Task {
   std::shared_ptr<Operation> op;
-  int64_t begin;  // byte range of the operation's buffer (and file, shifted by the file offset)
-  int64_t end;
+  int64_t begin;  // byte range of the operation's buffer (and file, shifted by the file offset);
+  int64_t end;    // begin < 0: open the (deferred) operation's files and queue its ranges
 };
 
 class AioHandle {
  public:
-  AioHandle(int64_t block_size, int queue_depth, bool single_submit, bool overlap_events,
-            int intra_op_parallelism, bool use_libaio);
+  // Throws std::invalid_argument (ValueError) for a setting outside its range, and
+  // std::runtime_error when the worker threads cannot be started.
+  AioHandle(int64_t block_size, int64_t queue_depth, bool single_submit, bool overlap_events,
+            int64_t intra_op_parallelism, bool use_libaio);
   ~AioHandle();
   AioHandle(const AioHandle&) = delete;
   AioHandle& operator=(const AioHandle&) = delete;
 
-  // Starts an operation; returns at once. `direct` asks for O_DIRECT where alignment allows.
-  void submit(bool write, uintptr_t ptr, int64_t nbytes, const std::string& path, int64_t file_offset,
-              bool direct, bool track);
+  // Starts an operation; returns at once. `direct` asks for O_DIRECT where alignment allows;
+  // `track` counts it in wait()/pending(); `rename_to` (writes only, may be empty) see above.
+  // `defer_open`: the files are opened by a worker when the operation's turn comes (so that any
+  // number of queued operations hold no file descriptors; open errors then end the operation)
+  // instead of now (errors thrown here).
+  std::shared_ptr<Operation> submit(bool write, uintptr_t ptr, int64_t nbytes, const std::string& path,
+                                    int64_t file_offset, bool direct, bool track, const std::string& rename_to,
+                                    bool defer_open);
   // Runs an operation to completion on the pool; throws std::runtime_error naming path/offset/size.
   void run(bool write, uintptr_t ptr, int64_t nbytes, const std::string& path, int64_t file_offset, bool direct);
   // Waits for every tracked operation; returns how many completed; throws the errors, if any.
@@ -67,7 +124,11 @@ class AioHandle {
 
  private:
   std::shared_ptr<Operation> start(bool write, uintptr_t ptr, int64_t nbytes, const std::string& path,
-                                   int64_t file_offset, bool direct, bool track);
+                                   int64_t file_offset, bool direct, bool track, const std::string& rename_to,
+                                   bool defer_open);
+  void open_op(Operation& op);  // throws IoError naming the path; closes what it opened
+  static void close_fds(Operation& op);
+  void enqueue_tasks_locked(const std::shared_ptr<Operation>& op, bool front);
   void worker_loop(int index);
 
   const int64_t block_size_;

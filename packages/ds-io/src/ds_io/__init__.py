@@ -12,6 +12,6 @@ __version__ = "0.1.0"
 from .config import AioConfig
 from .handle import AsyncIOHandle, aio_handle, gds_available, gds_handle
 from .op_builder import AsyncIOBuilder
-from .swapper import TensorSwapper
+from .swapper import SwapRequest, TensorSwapper
 
-__all__ = ["AioConfig", "AsyncIOBuilder", "AsyncIOHandle", "TensorSwapper", "__version__", "aio_handle", "gds_available", "gds_handle"]
+__all__ = ["AioConfig", "AsyncIOBuilder", "AsyncIOHandle", "SwapRequest", "TensorSwapper", "__version__", "aio_handle", "gds_available", "gds_handle"]

@@ -1,8 +1,8 @@
 """`AsyncIOHandle` (alias `aio_handle`): DeepNVMe's handle API over the native ``async_io`` op.
 
     h = AsyncIOHandle(block_size=1 << 20, queue_depth=32, intra_op_parallelism=2)
-    h.sync_pwrite(t, "/nvme/t.bin")           # blocking
-    h.async_pread(u, "/nvme/t.bin"); ...; h.wait()   # overlapped with compute; wait() -> 1
+    h.sync_pwrite(t, "/nvme/t.bin")           # blocking; -> 1 (operations completed)
+    h.async_pread(u, "/nvme/t.bin"); ...; h.wait()   # -> 0 at once; overlapped with compute; wait() -> 1
 
 Python owns the tensors: it passes (data_ptr, nbytes) to C++ and keeps every tensor of an
 asynchronous operation alive until ``wait()`` returns, even if the caller drops it. CUDA tensors
@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from ._limits import check_range
 from .op_builder import AsyncIOBuilder
 
 logger = logging.getLogger(__name__)
@@ -50,20 +51,26 @@ def _core():
 class AsyncIOHandle:
     """Asynchronous tensor file I/O with a pool of ``intra_op_parallelism`` worker threads.
 
-    Arguments and defaults are DeepSpeed's ``aio_handle``. Keyword-only extras: ``use_direct_io``
-    (O_DIRECT where alignment allows, default True) and ``use_libaio`` (Linux AIO when the op was
-    built with it, default True; False uses pread/pwrite workers).
+    Arguments and defaults are DeepSpeed's ``aio_handle``; their ranges are in ``ds_io._limits``
+    (``ValueError`` naming the argument and the range outside them). Keyword-only extras:
+    ``use_direct_io`` (O_DIRECT where alignment allows, default True), ``buffered_reads`` (reads
+    go through the page cache, ``block_size x queue_depth`` bytes per call (at most 256 MiB) so
+    that the kernel's readahead keeps large reads in flight; writes stay O_DIRECT; default False;
+    ``ds-nvme-tune`` measures which is faster) and
+    ``use_libaio`` (Linux AIO when the op was built with it, default True; False uses
+    pread/pwrite workers).
     """
 
     def __init__(self, block_size: int = 1048576, queue_depth: int = 128, single_submit: bool = False,
                  overlap_events: bool = False, intra_op_parallelism: int = 1, *, use_direct_io: bool = True,
-                 use_libaio: bool = True):
-        self._block_size = _positive_int("block_size", block_size)
-        self._queue_depth = _positive_int("queue_depth", queue_depth)
+                 buffered_reads: bool = False, use_libaio: bool = True):
+        self._block_size = check_range("block_size", block_size)
+        self._queue_depth = check_range("queue_depth", queue_depth)
         self._single_submit = _bool("single_submit", single_submit)
         self._overlap_events = _bool("overlap_events", overlap_events)
-        self._intra_op_parallelism = _positive_int("intra_op_parallelism", intra_op_parallelism)
+        self._intra_op_parallelism = check_range("intra_op_parallelism", intra_op_parallelism)
         self._direct = _bool("use_direct_io", use_direct_io)
+        self._buffered_reads = _bool("buffered_reads", buffered_reads)
         core = _core()
         self._handle = core.AioHandle(block_size, queue_depth, single_submit, overlap_events,
                                       intra_op_parallelism, _bool("use_libaio", use_libaio))
@@ -91,35 +98,40 @@ class AsyncIOHandle:
     def uses_libaio(self) -> bool:
         return self._handle.uses_libaio()
 
-    # ---- I/O ------------------------------------------------------------------------------------
-    def pread(self, tensor: torch.Tensor, path: PathLike, validate: bool = False, async_op: bool = False,
-              file_offset: int = 0) -> None:
-        """Read ``tensor.nbytes`` bytes of ``path`` from ``file_offset`` into ``tensor``."""
-        self._io(False, tensor, path, validate, async_op, file_offset)
+    def uses_buffered_reads(self) -> bool:
+        return self._buffered_reads or not self._direct
 
-    def pwrite(self, tensor: torch.Tensor, path: PathLike, validate: bool = False, async_op: bool = False,
-               file_offset: int = 0) -> None:
-        """Write ``tensor``'s bytes to ``path`` at ``file_offset`` (a write at offset 0 makes the
-        file exactly the tensor's size; files are never truncated otherwise)."""
-        self._io(True, tensor, path, validate, async_op, file_offset)
+    # ---- I/O (DeepSpeed's names: buffer, filename, validate, file_offset; `async` is async_op) ----
+    # Synchronous calls return the number of operations completed (1), asynchronous ones 0 once
+    # started (their count comes from wait()), as DeepSpeed's handle does.
+    def pread(self, buffer: torch.Tensor, filename: PathLike, validate: bool = False, async_op: bool = False,
+              file_offset: int = 0) -> int:
+        """Read ``buffer.nbytes`` bytes of ``filename`` from ``file_offset`` into ``buffer``."""
+        return self._io(False, buffer, filename, validate, async_op, file_offset)
 
-    def sync_pread(self, tensor: torch.Tensor, path: PathLike, file_offset: int = 0) -> None:
-        self.pread(tensor, path, async_op=False, file_offset=file_offset)
+    def pwrite(self, buffer: torch.Tensor, filename: PathLike, validate: bool = False, async_op: bool = False,
+               file_offset: int = 0) -> int:
+        """Write ``buffer``'s bytes to ``filename`` at ``file_offset`` (a write at offset 0 makes the
+        file exactly the buffer's size; files are never truncated otherwise)."""
+        return self._io(True, buffer, filename, validate, async_op, file_offset)
 
-    def sync_pwrite(self, tensor: torch.Tensor, path: PathLike, file_offset: int = 0) -> None:
-        self.pwrite(tensor, path, async_op=False, file_offset=file_offset)
+    def sync_pread(self, buffer: torch.Tensor, filename: PathLike, file_offset: int = 0) -> int:
+        return self.pread(buffer, filename, async_op=False, file_offset=file_offset)
 
-    def async_pread(self, tensor: torch.Tensor, path: PathLike, file_offset: int = 0) -> None:
-        self.pread(tensor, path, async_op=True, file_offset=file_offset)
+    def sync_pwrite(self, buffer: torch.Tensor, filename: PathLike, file_offset: int = 0) -> int:
+        return self.pwrite(buffer, filename, async_op=False, file_offset=file_offset)
 
-    def async_pwrite(self, tensor: torch.Tensor, path: PathLike, file_offset: int = 0) -> None:
-        self.pwrite(tensor, path, async_op=True, file_offset=file_offset)
+    def async_pread(self, buffer: torch.Tensor, filename: PathLike, file_offset: int = 0) -> int:
+        return self.pread(buffer, filename, async_op=True, file_offset=file_offset)
 
-    def read(self, tensor: torch.Tensor, path: PathLike, validate: bool = False, file_offset: int = 0) -> None:
-        self.pread(tensor, path, validate=validate, file_offset=file_offset)
+    def async_pwrite(self, buffer: torch.Tensor, filename: PathLike, file_offset: int = 0) -> int:
+        return self.pwrite(buffer, filename, async_op=True, file_offset=file_offset)
 
-    def write(self, tensor: torch.Tensor, path: PathLike, validate: bool = False, file_offset: int = 0) -> None:
-        self.pwrite(tensor, path, validate=validate, file_offset=file_offset)
+    def read(self, buffer: torch.Tensor, filename: PathLike, validate: bool = False, file_offset: int = 0) -> int:
+        return self.pread(buffer, filename, validate=validate, file_offset=file_offset)
+
+    def write(self, buffer: torch.Tensor, filename: PathLike, validate: bool = False, file_offset: int = 0) -> int:
+        return self.pwrite(buffer, filename, validate=validate, file_offset=file_offset)
 
     def wait(self) -> int:
         """Block until every asynchronous operation completes; returns how many did. Raises
@@ -154,13 +166,18 @@ class AsyncIOHandle:
             return tensor
         return self._new_mlocked(num_elem, dtype, nbytes)
 
-    def free_cpu_locked_tensor(self, tensor: torch.Tensor) -> None:
+    def free_cpu_locked_tensor(self, tensor: torch.Tensor) -> bool:
         """Give back a tensor of ``new_cpu_locked_tensor``; its memory is released once no view of
-        it is alive any more (never under a live tensor)."""
+        it is alive any more (never under a live tensor). Returns False, as DeepSpeed does, for a
+        tensor this handle did not make or already freed (and logs it)."""
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"free_cpu_locked_tensor: expected a torch.Tensor, got {type(tensor).__name__}")
         if self._locked.pop(tensor.data_ptr(), None) is None:
-            raise ValueError(f"free_cpu_locked_tensor: the tensor at 0x{tensor.data_ptr():x} (shape "
-                             f"{tuple(tensor.shape)}, {tensor.dtype}) was not made by this handle's "
-                             "new_cpu_locked_tensor, or was freed already")
+            logger.warning("free_cpu_locked_tensor: the tensor at 0x%x (shape %s, %s) was not made by this "
+                           "handle's new_cpu_locked_tensor, or was freed already: nothing freed",
+                           tensor.data_ptr(), tuple(tensor.shape), tensor.dtype)
+            return False
+        return True
 
     def _new_mlocked(self, num_elem: int, dtype: torch.dtype, nbytes: int) -> torch.Tensor:
         core = _core()
@@ -197,6 +214,7 @@ class AsyncIOHandle:
                 f"single_submit={self._single_submit}, overlap_events={self._overlap_events}, "
                 f"intra_op_parallelism={self._intra_op_parallelism}, "
                 f"backend={'libaio' if self.uses_libaio() else 'pread/pwrite'}"
+                f"{', buffered_reads=True' if self._buffered_reads else ''}"
                 f"{', closed' if self._closed else ''})")
 
     # ---- internals ---------------------------------------------------------------------------------
@@ -205,8 +223,28 @@ class AsyncIOHandle:
             raise ValueError(f"{what}: this aio handle is closed; create a new AsyncIOHandle")
 
     def _io(self, write: bool, tensor: torch.Tensor, path: PathLike, validate: bool, async_op: bool,
-            file_offset: int) -> None:
+            file_offset: int) -> int:
         verb = "pwrite" if write else "pread"
+        path, nbytes = self._check_io(verb, write, tensor, path, file_offset)
+        host, after = self._host_view(write, tensor, path, verb)
+        actions = [after] if after else []
+        if validate:
+            actions.append(functools.partial(_validate, write, host, path, file_offset))
+        direct = self._direct and (write or not self._buffered_reads)
+        if async_op:
+            self._handle.submit(write, host.data_ptr(), nbytes, path, file_offset, direct, True)
+            self._keep_alive.extend((tensor, host))
+            self._after_wait.extend(actions)
+            return 0
+        try:
+            self._handle.run(write, host.data_ptr(), nbytes, path, file_offset, direct)
+        finally:
+            self._log_notes()
+        for action in actions:
+            action()
+        return 1
+
+    def _check_io(self, verb: str, write: bool, tensor: torch.Tensor, path: PathLike, file_offset: int):
         self._check_open(verb)
         path = os.fspath(path)
         if not isinstance(tensor, torch.Tensor):
@@ -222,21 +260,23 @@ class AsyncIOHandle:
             if not parent.is_dir():
                 raise FileNotFoundError(f"cannot write {nbytes} bytes to '{path}' at offset {file_offset}: "
                                         f"directory '{parent}' does not exist")
-        host, after = self._host_view(write, tensor, path, verb)
-        actions = [after] if after else []
-        if validate:
-            actions.append(functools.partial(_validate, write, host, path, file_offset))
-        if async_op:
-            self._handle.submit(write, host.data_ptr(), nbytes, path, file_offset, self._direct, True)
-            self._keep_alive.extend((tensor, host))
-            self._after_wait.extend(actions)
-        else:
-            try:
-                self._handle.run(write, host.data_ptr(), nbytes, path, file_offset, self._direct)
-            finally:
-                self._log_notes()
-            for action in actions:
-                action()
+        return path, nbytes
+
+    def _start(self, write: bool, tensor: torch.Tensor, path: PathLike, file_offset: int = 0,
+               rename_to: PathLike | None = None):
+        """Queue one operation on a contiguous CPU tensor and return the native operation (its own
+        ``done()``/``wait()``); not counted by ``wait()``/``pending()``. Its files are opened when
+        a worker reaches it (queued operations hold no file descriptors), so errors, opening ones
+        included, come from its ``wait()``. The caller keeps ``tensor`` alive until it is done.
+        ``rename_to``: a write's file takes this name once all its bytes are written (never when
+        it fails)."""
+        verb = "pwrite" if write else "pread"
+        path, nbytes = self._check_io(verb, write, tensor, path, file_offset)
+        if tensor.device.type != "cpu":
+            raise ValueError(f"{verb}('{path}'): expected a CPU tensor, got one on {tensor.device}")
+        direct = self._direct and (write or not self._buffered_reads)
+        return self._handle.submit(write, tensor.data_ptr(), nbytes, path, file_offset, direct, False,
+                                   os.fspath(rename_to) if rename_to is not None else "", True)
 
     def _host_view(self, write: bool, tensor: torch.Tensor, path: str, verb: str):
         """The CPU tensor the op works on, and what to do after a read completes (CUDA copy)."""
@@ -287,26 +327,33 @@ def _gds_missing() -> str:
 
 class gds_handle(AsyncIOHandle):
     """DeepSpeed's ``gds_handle``. ds-io does not drive cuFile yet: where GPUDirect Storage is
-    present this handle moves CUDA tensors through pinned host memory (and says so); where it is
+    present this handle moves CUDA tensors through pinned host memory (and says so), and its
+    device-pinning methods, which need cuFile, raise ``RuntimeError``; where GPUDirect Storage is
     absent, creating it raises ``RuntimeError`` naming what is missing."""
 
     def __init__(self, *args, **kwargs):
         missing = _gds_missing()
         if missing:
-            raise RuntimeError(f"gds_handle needs NVIDIA GPUDirect Storage, but {missing}; "
+            raise RuntimeError(f"gds_handle requires GPUDirect Storage (NVIDIA GPU + cuFile), but {missing}; "
                                "use ds_io.aio_handle (works with CPU and CUDA tensors) instead")
         logger.warning("gds_handle: GPUDirect Storage found, but ds-io moves CUDA tensors through pinned "
                        "host memory (cuFile is not driven yet)")
         super().__init__(*args, **kwargs)
 
     def new_pinned_device_tensor(self, num_elem: int, example_tensor: torch.Tensor) -> torch.Tensor:
-        return torch.empty(num_elem, dtype=example_tensor.dtype, device=example_tensor.device)
+        _no_cufile("new_pinned_device_tensor")
 
-    def free_pinned_device_tensor(self, tensor: torch.Tensor) -> None:
-        pass
+    def free_pinned_device_tensor(self, tensor: torch.Tensor) -> bool:
+        _no_cufile("free_pinned_device_tensor")
 
     def pin_device_tensor(self, tensor: torch.Tensor) -> None:
-        pass
+        _no_cufile("pin_device_tensor")
 
     def unpin_device_tensor(self, tensor: torch.Tensor) -> None:
-        pass
+        _no_cufile("unpin_device_tensor")
+
+
+def _no_cufile(method: str):
+    raise RuntimeError(f"gds_handle.{method} requires GPUDirect Storage (NVIDIA GPU + cuFile) buffer "
+                       "registration, which ds-io does not implement yet (it moves CUDA tensors through "
+                       "pinned host memory); pass CUDA tensors to pread/pwrite directly, without pinning")

@@ -4,10 +4,14 @@
 
 Sweeps block_size x queue_depth x intra_op_parallelism x single_submit x overlap_events, writing
 ``io_size`` bytes from page-locked memory into a fresh file in each directory (O_DIRECT) and reading
-them back (O_DIRECT, so never from the page cache), shows each configuration's speed as it goes,
-then prints the best read and write GB/s and the recommended ``"aio"`` block as JSON. A sweep
-config is a JSON object of lists, e.g. ``{"block_size": ["256K", "1M"], "queue_depth": [8, 32]}``;
-the keys it leaves out keep the default lists.
+them back cold two ways: O_DIRECT, and buffered with kernel readahead (the handle's
+``buffered_reads``; the files' pages are evicted from the page cache first with
+``posix_fadvise(DONTNEED)``). It shows each configuration's speed as it goes, then prints the best
+read and write GB/s, which read path was faster, and the recommended ``"aio"`` block as JSON. A
+sweep config is a JSON object of lists, e.g. ``{"block_size": ["256K", "1M"], "queue_depth": [8, 32]}``;
+the keys it leaves out keep the default lists. Progress goes to stderr: one line rewritten with
+``\r`` on a terminal, one line per configuration otherwise (log files). Ctrl-C stops it with exit
+code 130 and removes its files.
 """
 
 from __future__ import annotations
@@ -91,8 +95,19 @@ class Result:
     intra_op_parallelism: int
     single_submit: bool
     overlap_events: bool
-    read_gbps: float | None = None
+    read_gbps: float | None = None           # O_DIRECT
     write_gbps: float | None = None
+    buffered_read_gbps: float | None = None  # page cache + kernel readahead, cold
+
+    @property
+    def best_read_gbps(self) -> float | None:
+        speeds = [v for v in (self.read_gbps, self.buffered_read_gbps) if v is not None]
+        return max(speeds) if speeds else None
+
+    @property
+    def buffered_reads(self) -> bool:
+        """Whether buffered reads were measured faster than O_DIRECT ones for this configuration."""
+        return (self.buffered_read_gbps or 0.0) > (self.read_gbps or 0.0)
 
     def config(self) -> AioConfig:
         return AioConfig(block_size=self.block_size, queue_depth=self.queue_depth,
@@ -107,10 +122,15 @@ class TuneReport:
     best_write_gbps: float | None
     recommended: AioConfig
     seconds: float
+    buffered_reads: bool = False  # the recommended config reads faster buffered than with O_DIRECT
 
     def aio_json(self) -> dict[str, Any]:
+        """The recommended ``{"aio": ...}`` block; it carries ``buffered_reads`` where ``AioConfig``
+        has that key."""
         section = self.recommended.to_ds_config()
         section["aio"].pop("use_gds")
+        if "buffered_reads" in AioConfig.model_fields:
+            section["aio"]["buffered_reads"] = self.buffered_reads
         return section
 
 
@@ -122,16 +142,32 @@ def _print_progress(index: int, total: int, result: Result) -> None:
         parts.append(f"write {result.write_gbps:6.2f} GB/s")
     if result.read_gbps is not None:
         parts.append(f"read {result.read_gbps:6.2f} GB/s")
+    if result.buffered_read_gbps is not None:
+        parts.append(f"buffered read {result.buffered_read_gbps:6.2f} GB/s")
     print("  ".join(parts), file=sys.stderr, flush=True)
 
 
+def _count_progress(stream) -> Callable[[int, int, Result], None]:
+    """A progress counter: one line rewritten with \r on a terminal, a line per step otherwise."""
+    tty = stream.isatty()
+
+    def show(index: int, total: int, result: Result) -> None:
+        text = f"ds-nvme-tune: {index}/{total} configurations"
+        if tty:
+            print(f"\r{text}", end="" if index < total else "\n", file=stream, flush=True)
+        else:
+            print(text, file=stream, flush=True)
+    return show
+
+
 def tune(nvme_dirs: Sequence[str | os.PathLike], sweep_config: dict | str | os.PathLike | None = None, *,
-         read: bool = True, write: bool = True, io_size: int | str = DEFAULT_IO_SIZE, loops: int = 1,
-         log_dir: str | os.PathLike | None = None,
+         read: bool = True, write: bool = True, buffered_read: bool = True, io_size: int | str = DEFAULT_IO_SIZE,
+         loops: int = 1, log_dir: str | os.PathLike | None = None,
          progress: Callable[[int, int, Result], None] | None = _print_progress) -> TuneReport:
     """Run the sweep; returns every result, the best read/write GB/s and the recommended config
     (the best write config when reads are off, the best read config when writes are off, else
-    the config with the best sum of both)."""
+    the config with the best sum of both; a configuration's read speed is the faster of its
+    O_DIRECT and, with ``buffered_read``, its cold buffered reads)."""
     if not read and not write:
         raise ValueError("nothing to measure: reads and writes are both disabled")
     dirs = [Path(d) for d in nvme_dirs]
@@ -167,9 +203,13 @@ def tune(nvme_dirs: Sequence[str | os.PathLike], sweep_config: dict | str | os.P
                     if read:
                         seconds = _best_of(loops, lambda h=handle: _run(h, buffers, files, False, fresh=False))
                         result.read_gbps = per_dir * len(dirs) / seconds / 1e9
-                        for b, e, f in zip(buffers, expected, files, strict=True):
-                            if not torch.equal(b[:4096], e):
-                                raise OSError(f"ds-nvme-tune: data read back from '{f}' differs from what was written")
+                        _check_data(buffers, expected, files)
+                if read and buffered_read:
+                    with AsyncIOHandle(**result.config().handle_kwargs(), buffered_reads=True) as handle:
+                        seconds = _best_of(loops, lambda h=handle: _run(h, buffers, files, False, fresh=False,
+                                                                        evict=True))
+                        result.buffered_read_gbps = per_dir * len(dirs) / seconds / 1e9
+                        _check_data(buffers, expected, files)
                 results.append(result)
                 if progress:
                     progress(index, len(combos), result)
@@ -183,7 +223,8 @@ def tune(nvme_dirs: Sequence[str | os.PathLike], sweep_config: dict | str | os.P
         Path(log_dir).mkdir(parents=True, exist_ok=True)
         _write_atomic(Path(log_dir) / "ds_nvme_tune.json", json.dumps(
             {"dirs": [os.fspath(d) for d in dirs], "io_size": io_size, "loops": loops,
-             "results": [asdict(r) for r in results], "recommended": report.aio_json()}, indent=1))
+             "results": [asdict(r) for r in results], "buffered_reads_faster": report.buffered_reads,
+             "recommended": report.aio_json()}, indent=1))
     return report
 
 
@@ -191,10 +232,33 @@ def _best_of(loops: int, fn: Callable[[], float]) -> float:
     return min(fn() for _ in range(loops))
 
 
-def _run(handle: AsyncIOHandle, buffers, files, write: bool, fresh: bool) -> float:
+def _check_data(buffers, expected, files) -> None:
+    for b, e, f in zip(buffers, expected, files, strict=True):
+        if not torch.equal(b[:4096], e):
+            raise OSError(f"ds-nvme-tune: data read back from '{f}' differs from what was written")
+
+
+def evict_from_page_cache(path: str | os.PathLike) -> None:
+    """Drop ``path``'s pages from the page cache (written back first), so that the next buffered
+    read comes from the device; needs no privileges, unlike /proc/sys/vm/drop_caches."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fdatasync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _run(handle: AsyncIOHandle, buffers, files, write: bool, fresh: bool, evict: bool = False) -> float:
     if write and fresh:
         for f in files:
             f.unlink(missing_ok=True)
+    if not write:
+        for b in buffers:
+            b[:4096].zero_()  # the read must bring these bytes back for the check to mean anything
+    if evict:
+        for f in files:
+            evict_from_page_cache(f)
     start = time.perf_counter()
     for b, f in zip(buffers, files, strict=True):
         (handle.async_pwrite if write else handle.async_pread)(b, f)
@@ -203,12 +267,12 @@ def _run(handle: AsyncIOHandle, buffers, files, write: bool, fresh: bool) -> flo
 
 
 def _summarize(results: list[Result], read: bool, write: bool, seconds: float) -> TuneReport:
-    best_read = max((r.read_gbps for r in results), default=None) if read else None
+    best_read = max((r.best_read_gbps for r in results), default=None) if read else None
     best_write = max((r.write_gbps for r in results), default=None) if write else None
     def score(r: Result) -> float:
-        return (r.read_gbps or 0.0) + (r.write_gbps or 0.0)
+        return (r.best_read_gbps or 0.0) + (r.write_gbps or 0.0)
     best = max(results, key=score)
-    return TuneReport(results, best_read, best_write, best.config(), seconds)
+    return TuneReport(results, best_read, best_write, best.config(), seconds, buffered_reads=best.buffered_reads)
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -227,6 +291,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep_config", help="Sweep configuration JSON file (lists of values per key).")
     parser.add_argument("--no_read", action="store_true", help="Disable read performance measurements.")
     parser.add_argument("--no_write", action="store_true", help="Disable write performance measurements.")
+    parser.add_argument("--no_buffered_read", action="store_true", help="Measure O_DIRECT reads only (not also "
+                        "buffered reads with kernel readahead).")
     parser.add_argument("--io_size", default=str(DEFAULT_IO_SIZE), help="Bytes to read/write per measurement "
                         "(e.g. 400M; default 256M).")
     parser.add_argument("--loops", type=int, default=1, help="Repetitions of each measurement (the best counts).")
@@ -235,22 +301,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--verbose", action="store_true", help="Print every configuration's result (default: "
                         "a progress line per configuration).")
     args = parser.parse_args(argv)
+    try:
+        return _main(args)
+    except KeyboardInterrupt:
+        print("\nds-nvme-tune: interrupted", file=sys.stderr, flush=True)
+        return 130
 
-    def quiet_progress(index: int, total: int, result: Result) -> None:
-        print(f"\rds-nvme-tune: {index}/{total} configurations", end="" if index < total else "\n",
-              file=sys.stderr, flush=True)
 
+def _main(args: argparse.Namespace) -> int:
     print(f"Running DeepNVMe performance tuning on {args.nvme_dir}", file=sys.stderr, flush=True)
     try:
         report = tune(args.nvme_dir, args.sweep_config, read=not args.no_read, write=not args.no_write,
-                      io_size=args.io_size, loops=args.loops, log_dir=args.log_dir,
-                      progress=_print_progress if args.verbose else quiet_progress)
+                      buffered_read=not args.no_buffered_read, io_size=args.io_size, loops=args.loops,
+                      log_dir=args.log_dir, progress=_print_progress if args.verbose else _count_progress(sys.stderr))
     except (ValueError, OSError) as e:
         print(f"ds-nvme-tune: error: {e}", file=sys.stderr)
         return 2
     fmt = lambda v: "n/a" if v is None else f"{v:.2f}"  # noqa: E731
     print(f"Best performance (GB/sec): read = {fmt(report.best_read_gbps)}, write = {fmt(report.best_write_gbps)}"
           f"  ({len(report.results)} configurations in {report.seconds:.0f} s)")
+    best = max(report.results, key=lambda r: (r.best_read_gbps or 0.0) + (r.write_gbps or 0.0))
+    if best.buffered_read_gbps is not None and best.read_gbps is not None:
+        faster = "buffered (page cache + readahead)" if best.buffered_reads else "O_DIRECT"
+        print(f"Reads with the recommended settings: O_DIRECT {best.read_gbps:.2f} GB/s, buffered "
+              f"{best.buffered_read_gbps:.2f} GB/s: {faster} is faster"
+              + ("; pass buffered_reads=True to ds_io.aio_handle" if best.buffered_reads
+                 and "buffered_reads" not in AioConfig.model_fields else ""))
     text = json.dumps(report.aio_json(), indent=2)
     print(text)
     if args.output:
