@@ -272,15 +272,14 @@ class ZeroOptimizer:
     def _reduce_leftovers(self) -> None:
         """Reduce the buckets not reduced in this backward: their parameters without a gradient
         count as zero (``ignore_unused_parameters``) or are an error naming them."""
-        for b, bucket in enumerate(self.layout.buckets):
-            if self._reduced[b]:
-                continue
-            if not self.config.ignore_unused_parameters:
-                unused = [self._params[i] for i in bucket.slots if i not in self._fired]
-                names = ", ".join(_name(self.model, p) for p in unused[:5])
-                raise RuntimeError(f"ZeroOptimizer: no gradient in this backward for {names}"
-                                   f"{' and others' if len(unused) > 5 else ''} "
-                                   "(zero_optimization.ignore_unused_parameters is false)")
+        left = [b for b in range(len(self.layout.buckets)) if not self._reduced[b]]
+        if left and not self.config.ignore_unused_parameters:
+            unused = sorted(i for b in left for i in self.layout.buckets[b].slots if i not in self._fired)
+            names = ", ".join(_name(self.model, self._params[i]) for i in unused[:5])
+            raise RuntimeError(f"ZeroOptimizer: no gradient in this backward for {names}"
+                               f"{f' and {len(unused) - 5} more' if len(unused) > 5 else ''} "
+                               "(zero_optimization.ignore_unused_parameters is false)")
+        for b in left:
             self._reduce(b)
         if self.is_gradient_accumulation_boundary:
             self._boundary_reduced = True

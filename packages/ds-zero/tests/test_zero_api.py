@@ -1,0 +1,168 @@
+"""ZeroOptimizer's contract besides the numbers: memory per rank at the ZeRO formulas, unused
+parameters, models that differ between ranks, state round trips, and bad input named."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import ds_comm
+from ds_comm.testing import spawn
+from ds_zero import ZeroOptimizer
+
+
+def _model(width: int = 128, extra: int = 0) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(width, width), nn.Tanh(), nn.Linear(width, width + extra), nn.Tanh(),
+                         nn.Linear(width + extra, 4))
+
+
+def _train(zero, model, steps, rank, width=128):
+    for step in range(steps):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        zero.backward(model(torch.randn(8, width, generator=g)).square().mean())
+        zero.step()
+        zero.zero_grad()
+
+
+def memory_by_stage(rank, world_size):
+    out = {}
+    for stage in (0, 1, 2):
+        model = _model()
+        zero = ZeroOptimizer(model, torch.optim.AdamW, config={"stage": stage, "reduce_bucket_size": 20_000})
+        _train(zero, model, 1, rank)
+        out[stage] = zero.memory_bytes()
+    return out, sum(p.numel() for p in _model().parameters())
+
+
+def test_model_state_memory_is_at_the_zero_formulas():
+    # Psi * (4 + 4 + 8), (4 + 4 + 8/N), (4 + (4 + 8)/N) bytes for float32 AdamW at stages 0, 1, 2
+    results = spawn(memory_by_stage, world_size=2)
+    for by_stage, psi in results:
+        n = 2
+        formula = {0: (4, 4, 8), 1: (4, 4, 8 / n), 2: (4, 4 / n, 8 / n)}
+        for stage, (params, grads, states) in formula.items():
+            got = by_stage[stage]
+            for kind, per_param in (("params", params), ("grads", grads), ("optimizer", states)):
+                assert abs(got[kind] - psi * per_param) <= 0.01 * psi * per_param, (stage, kind, got, psi)
+            assert got["master"] == 0
+        totals = [sum(by_stage[s][k] for k in ("params", "grads", "optimizer")) / psi for s in (0, 1, 2)]
+        assert [round(t) for t in totals] == [16, 12, 10]
+        assert by_stage[0]["buffers"] == by_stage[1]["buffers"] == 0 < by_stage[2]["buffers"]
+
+
+def different_models(rank, world_size):
+    try:
+        ZeroOptimizer(_model(extra=rank), torch.optim.AdamW)  # rank 1's middle layer is wider
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_ranks_with_different_models_get_a_clear_error_not_a_hang():
+    messages = spawn(different_models, world_size=2, timeout=60)
+    for message in messages:
+        assert message is not None and "the ranks' models differ: parameter 2 is ('2.weight', (128, 128)," in message
+        assert "on rank 1" in message
+
+
+class WithUnused(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.used, self.unused = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.used(x).square().mean()
+
+
+def unused_parameters(rank, world_size, stage, ignore):
+    model = WithUnused()
+    before = model.unused.weight.detach().clone()
+    zero = ZeroOptimizer(model, torch.optim.SGD, optimizer_kwargs={"lr": 0.1},
+                         config={"stage": stage, "ignore_unused_parameters": ignore, "reduce_bucket_size": 100})
+    try:
+        _train(zero, model, 2, rank, width=16)
+    except RuntimeError as e:
+        return str(e)
+    return bool(torch.equal(model.unused.weight, before)), bool(torch.equal(model.used.weight, WithUnused().used.weight))
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_unused_parameters_are_zero_or_named(stage):
+    for unchanged, used_unchanged in spawn(unused_parameters, world_size=2, args=(stage, True)):
+        assert unchanged and not used_unchanged
+    for message in spawn(unused_parameters, world_size=2, args=(stage, False)):
+        assert "no gradient in this backward for unused.weight, unused.bias" in message
+        assert "ignore_unused_parameters is false" in message
+
+
+def state_round_trip(rank, world_size, stage):
+    straight = _model()
+    zero = ZeroOptimizer(straight, torch.optim.AdamW, config={"stage": stage, "reduce_bucket_size": 20_000})
+    _train(zero, straight, 5, rank)
+    resumed = _model()
+    first = ZeroOptimizer(resumed, torch.optim.AdamW, config={"stage": stage, "reduce_bucket_size": 20_000})
+    for step in range(3):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        first.backward(resumed(torch.randn(8, 128, generator=g)).square().mean())
+        first.step()
+        first.zero_grad()
+    state = copy.deepcopy(first.state_dict())
+    weights = copy.deepcopy(resumed.state_dict())
+    again = _model()
+    again.load_state_dict(weights)
+    second = ZeroOptimizer(again, torch.optim.AdamW, config={"stage": stage, "reduce_bucket_size": 20_000})
+    second.load_state_dict(state)
+    for step in range(3, 5):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        second.backward(again(torch.randn(8, 128, generator=g)).square().mean())
+        second.step()
+        second.zero_grad()
+    same = all(torch.equal(a, b) for a, b in zip(straight.parameters(), again.parameters(), strict=True))
+    wrong = dict(state, zero_stage=(stage + 1) % 3)
+    try:
+        second.load_state_dict(wrong)
+    except ValueError as e:
+        return same, str(e)
+    return same, None
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_state_dict_round_trip_resumes_exactly(stage):
+    for same, message in spawn(state_round_trip, world_size=2, args=(stage,)):
+        assert same
+        assert message == (f"ZeroOptimizer.load_state_dict: saved with zero_stage={(stage + 1) % 3}, "
+                           f"this optimizer has zero_stage={stage}")
+
+
+@pytest.mark.parametrize(("kwargs", "error", "message"), [
+    ({"config": {"stage": 3}}, NotImplementedError, "stage 3 is not implemented yet"),
+    ({"config": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}, NotImplementedError,
+     "offload_optimizer is not implemented yet"),
+    ({"bf16": {"enabled": True}}, NotImplementedError, "bf16 training is not implemented yet"),
+    ({"fp16": {"enabled": True}}, NotImplementedError, "fp16 training is not implemented yet"),
+    ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, ValueError, "both true"),
+    ({"config": {"zero_quantized_gradients": True}}, NotImplementedError, "zero_quantized_gradients"),
+    ({"config": {"reduce_bucket_size": "auto"}}, ValueError, 'reduce_bucket_size is "auto"'),
+    ({"config": {"stage": 5}}, ValueError, "zero_optimization.stage must be 0, 1, 2 or 3, got 5"),
+    ({"gradient_clipping": -1.0}, ValueError, "gradient_clipping must be a number >= 0"),
+    ({"gradient_clipping": float("nan")}, ValueError, "gradient_clipping must be a number >= 0"),
+    ({"gradient_accumulation_steps": 0}, ValueError, "gradient_accumulation_steps must be an integer >= 1, got 0"),
+    ({"gradient_accumulation_steps": 2.0}, ValueError, "gradient_accumulation_steps must be an integer >= 1"),
+    ({}, RuntimeError, "the process group is not initialised"),
+])
+def test_bad_input_is_named_before_any_collective(kwargs, error, message):
+    assert not ds_comm.is_initialized()
+    with pytest.raises(error, match=message.replace("(", r"\(").replace(")", r"\)")):
+        ZeroOptimizer(_model(), torch.optim.AdamW, **kwargs)
+
+
+def test_not_a_model_or_not_an_optimizer():
+    with pytest.raises(ValueError, match=r"model must be a torch\.nn\.Module, got str"):
+        ZeroOptimizer("model")
+    with pytest.raises(ValueError, match="optimizer must be an optimizer class or a callable, got 3"):
+        ZeroOptimizer(_model(), 3)
