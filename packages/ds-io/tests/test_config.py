@@ -22,7 +22,7 @@ def test_zero3_nvme_section_loads():
     assert (c.block_size, c.queue_depth, c.intra_op_parallelism, c.single_submit, c.overlap_events, c.use_gds) == (
         262144, 32, 1, False, True, False)
     assert c.handle_kwargs() == {"block_size": 262144, "queue_depth": 32, "single_submit": False,
-                                 "overlap_events": True, "intra_op_parallelism": 1}
+                                 "overlap_events": True, "intra_op_parallelism": 1, "buffered_reads": False}
 
 
 def test_defaults_are_deepspeeds():
@@ -44,7 +44,11 @@ def test_thread_count_is_intra_op_parallelism_and_roundtrips():
 @pytest.mark.parametrize("section, message", [
     ({"blok_size": 4096}, "aio.blok_size: unknown key 'blok_size'; did you mean 'block_size'?"),
     ({"thread_cnt": 2}, "did you mean 'thread_count'?"),
-    ({"block_size": 0}, "aio.block_size: must be greater than 0, got 0"),
+    ({"block_size": 0}, "aio.block_size: must be greater than or equal to 4096, got 0"),
+    ({"block_size": 2**40}, "aio.block_size: must be less than or equal to 268435456, got 1099511627776"),
+    ({"queue_depth": 10**12}, "aio.queue_depth: must be less than or equal to 65536, got 1000000000000"),
+    ({"thread_count": 100000}, "aio.thread_count: must be less than or equal to 256, got 100000"),
+    ({"intra_op_parallelism": 0}, "aio.intra_op_parallelism: must be greater than or equal to 1, got 0"),
     ({"queue_depth": 2.5}, "aio.queue_depth: must be an integer, got 2.5"),
     ({"queue_depth": True}, "aio.queue_depth: must be an integer, got True"),
     ({"queue_depth": "8"}, "aio.queue_depth: must be an integer, got '8'"),
@@ -56,3 +60,19 @@ def test_bad_sections_name_the_key_and_what_is_allowed(section, message):
     with pytest.raises(ConfigError) as info:
         AioConfig.model_validate(section)
     assert message in str(info.value)
+
+
+def test_bounds_are_the_handles():
+    from ds_io._limits import RANGES
+
+    for name, (low, high) in RANGES.items():
+        assert getattr(AioConfig(**{name: low}), name) == low and getattr(AioConfig(**{name: high}), name) == high
+        for bad in (low - 1, high + 1):
+            with pytest.raises(ConfigError, match=f"aio.{name}: must be"):
+                AioConfig(**{name: bad})
+
+
+def test_buffered_reads_reaches_the_handle():
+    assert AioConfig().handle_kwargs()["buffered_reads"] is False
+    assert AioConfig(buffered_reads=True).handle_kwargs()["buffered_reads"] is True
+    assert AioConfig(**AioConfig(buffered_reads=True).to_ds_config()["aio"]).buffered_reads is True

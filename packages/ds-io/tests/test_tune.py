@@ -67,7 +67,7 @@ def test_write_only_sweep(tmp_path):
 
 
 def test_errors_name_the_value(tmp_path, capsys):
-    with pytest.raises(ValueError, match="sweep config: unknown key 'blocksize'; did you mean 'block_size'"):
+    with pytest.raises(ValueError, match="sweep config: blocksize: unknown key 'blocksize'; did you mean 'block_size'"):
         load_sweep({"blocksize": [1]})
     with pytest.raises(ValueError, match="queue_depth"):
         load_sweep({"queue_depth": [0]})

@@ -17,13 +17,11 @@ code 130 and removes its files.
 from __future__ import annotations
 
 import argparse
-import difflib
 import itertools
 import json
 import os
 import re
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -31,6 +29,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from ds_config import ConfigError, Section, write_atomic
+from pydantic import Field, model_validator
 
 from .config import AioConfig
 from .handle import AsyncIOHandle
@@ -60,6 +60,36 @@ def parse_size(value: Any, what: str = "size") -> int:
     raise ValueError(f"{what} must be a positive number of bytes (e.g. 1048576 or \"1M\"), got {value!r}")
 
 
+class _Sweep(Section):
+    """The value lists ds-nvme-tune sweeps; a key may also hold one value. Each value is then
+    checked by ``AioConfig`` (bounds, types)."""
+
+    block_size: list[int | str] = Field(default_factory=lambda: list(DEFAULT_SWEEP["block_size"]),
+                                        description="Piece sizes in bytes (1048576, 1e6, \"1M\").")
+    queue_depth: list[int] = Field(default_factory=lambda: list(DEFAULT_SWEEP["queue_depth"]),
+                                   description="Pieces in flight per worker.")
+    intra_op_parallelism: list[int] = Field(default_factory=lambda: list(DEFAULT_SWEEP["intra_op_parallelism"]),
+                                            alias="thread_count", description="Worker threads per request.")
+    single_submit: list[bool] = Field(default_factory=lambda: list(DEFAULT_SWEEP["single_submit"]),
+                                      description="Submit pieces one at a time.")
+    overlap_events: list[bool] = Field(default_factory=lambda: list(DEFAULT_SWEEP["overlap_events"]),
+                                       description="Submit as earlier pieces complete.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _lists(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        data = {SWEEP_ALIASES.get(k, k) if k == "io_parallel" else k: v for k, v in data.items()}
+        if "thread_count" in data and "intra_op_parallelism" in data:
+            raise ValueError("give one of thread_count, io_parallel, intra_op_parallelism (the same setting)")
+        data = {k: v if isinstance(v, list) else [v] for k, v in data.items()}
+        for key, values in data.items():
+            if not values:
+                raise ValueError(f"{key!r} needs at least one value")
+        return data
+
+
 def load_sweep(source: dict | str | os.PathLike | None) -> dict[str, list]:
     """The sweep's value lists: the defaults, overridden by a dict or a JSON file's keys."""
     if source is None:
@@ -71,21 +101,13 @@ def load_sweep(source: dict | str | os.PathLike | None) -> dict[str, list]:
             raise ValueError(f"cannot read the sweep config {os.fspath(source)!r}: {e}") from None
         if not isinstance(source, dict):
             raise ValueError(f"the sweep config must be a JSON object of lists, got {type(source).__name__}")
-    sweep = {k: list(v) for k, v in DEFAULT_SWEEP.items()}
-    allowed = [*DEFAULT_SWEEP, *SWEEP_ALIASES]
-    for key, values in source.items():
-        if key not in allowed:
-            close = difflib.get_close_matches(key, allowed, n=1, cutoff=0.6)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise ValueError(f"sweep config: unknown key {key!r}{hint} Allowed keys: {', '.join(allowed)}")
-        values = values if isinstance(values, list) else [values]
-        if not values:
-            raise ValueError(f"sweep config: {key!r} needs at least one value")
-        name = SWEEP_ALIASES.get(key, key)
-        if name == "block_size":
-            values = [parse_size(v, "sweep config: block_size") for v in values]
-        sweep[name] = [AioConfig(**{name: v}).model_dump()[name] for v in values]  # validates each value
-    return sweep
+    try:
+        lists = _Sweep.model_validate(source).model_dump()
+    except ConfigError as e:
+        raise ValueError("\n".join(f"sweep config: {line}" for line in str(e).splitlines())) from None
+    lists["block_size"] = [parse_size(v, "sweep config: block_size") for v in lists["block_size"]]
+    # each value as AioConfig checks it (bounds, types)
+    return {name: [AioConfig(**{name: v}).model_dump()[name] for v in values] for name, values in lists.items()}
 
 
 @dataclass
@@ -125,12 +147,10 @@ class TuneReport:
     buffered_reads: bool = False  # the recommended config reads faster buffered than with O_DIRECT
 
     def aio_json(self) -> dict[str, Any]:
-        """The recommended ``{"aio": ...}`` block; it carries ``buffered_reads`` where ``AioConfig``
-        has that key."""
+        """The recommended ``{"aio": ...}`` block, ``buffered_reads`` included."""
         section = self.recommended.to_ds_config()
         section["aio"].pop("use_gds")
-        if "buffered_reads" in AioConfig.model_fields:
-            section["aio"]["buffered_reads"] = self.buffered_reads
+        section["aio"]["buffered_reads"] = self.buffered_reads
         return section
 
 
@@ -205,7 +225,7 @@ def tune(nvme_dirs: Sequence[str | os.PathLike], sweep_config: dict | str | os.P
                         result.read_gbps = per_dir * len(dirs) / seconds / 1e9
                         _check_data(buffers, expected, files)
                 if read and buffered_read:
-                    with AsyncIOHandle(**result.config().handle_kwargs(), buffered_reads=True) as handle:
+                    with AsyncIOHandle(**{**result.config().handle_kwargs(), "buffered_reads": True}) as handle:
                         seconds = _best_of(loops, lambda h=handle: _run(h, buffers, files, False, fresh=False,
                                                                         evict=True))
                         result.buffered_read_gbps = per_dir * len(dirs) / seconds / 1e9
@@ -221,7 +241,7 @@ def tune(nvme_dirs: Sequence[str | os.PathLike], sweep_config: dict | str | os.P
     report = _summarize(results, read, write, time.perf_counter() - start)
     if log_dir is not None:
         Path(log_dir).mkdir(parents=True, exist_ok=True)
-        _write_atomic(Path(log_dir) / "ds_nvme_tune.json", json.dumps(
+        write_atomic(Path(log_dir) / "ds_nvme_tune.json", json.dumps(
             {"dirs": [os.fspath(d) for d in dirs], "io_size": io_size, "loops": loops,
              "results": [asdict(r) for r in results], "buffered_reads_faster": report.buffered_reads,
              "recommended": report.aio_json()}, indent=1))
@@ -275,15 +295,6 @@ def _summarize(results: list[Result], read: bool, write: bool, seconds: float) -
     return TuneReport(results, best_read, best_write, best.config(), seconds, buffered_reads=best.buffered_reads)
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ds-nvme-tune", description=__doc__.splitlines()[0])
     parser.add_argument("--nvme_dir", nargs="+", required=True, help="Directory (or directories) in which to "
@@ -324,13 +335,11 @@ def _main(args: argparse.Namespace) -> int:
     if best.buffered_read_gbps is not None and best.read_gbps is not None:
         faster = "buffered (page cache + readahead)" if best.buffered_reads else "O_DIRECT"
         print(f"Reads with the recommended settings: O_DIRECT {best.read_gbps:.2f} GB/s, buffered "
-              f"{best.buffered_read_gbps:.2f} GB/s: {faster} is faster"
-              + ("; pass buffered_reads=True to ds_io.aio_handle" if best.buffered_reads
-                 and "buffered_reads" not in AioConfig.model_fields else ""))
+              f"{best.buffered_read_gbps:.2f} GB/s: {faster} is faster")
     text = json.dumps(report.aio_json(), indent=2)
     print(text)
     if args.output:
-        _write_atomic(Path(args.output), text + "\n")
+        write_atomic(Path(args.output), text + "\n")
         print(f"wrote {args.output}", file=sys.stderr)
     return 0
 
