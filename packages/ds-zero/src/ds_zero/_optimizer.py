@@ -122,12 +122,15 @@ class ZeroOptimizer:
             offsets = self.layout.partition_offsets()
             step_grads = [self._partition[at:at + b.shard] for b, at in zip(self.layout.buckets, offsets, strict=True)]
             largest = max(b.padded for b in self.layout.buckets)
-            # two bucket buffers: one fills while the other's reduce-scatter is in flight
-            self._bucket_buffers = [torch.zeros(largest, dtype=torch.float32) for _ in range(2)]
-            self._buffer_work: list[Any] = [None, None]
+            # two bucket buffers (one fills while the other's reduce-scatter is in flight), one if
+            # there is one bucket; reduce-scatters of later micro-steps of an accumulation land in a
+            # received buffer first (the first micro-step's write the partition directly)
+            count = min(2, len(self.layout.buckets))
+            self._bucket_buffers = [torch.zeros(largest, dtype=torch.float32) for _ in range(count)]
+            self._buffer_work: list[Any] = [None] * count
             self._next_buffer = 0
-            shard = max(b.shard for b in self.layout.buckets)
-            self._received = [torch.zeros(shard, dtype=torch.float32) for _ in range(2)]
+            shard = max(b.shard for b in self.layout.buckets) if gradient_accumulation_steps > 1 else 0
+            self._received = [torch.zeros(shard, dtype=torch.float32) for _ in range(count)]
         self._step_params = []
         for (start, length), grad in zip(self._owned, step_grads, strict=True):
             tensor = nn.Parameter(self._flat[start:start + length], requires_grad=True)
@@ -299,7 +302,7 @@ class ZeroOptimizer:
             self._work.append((b, ds_comm.all_reduce(grads, group=self.group, async_op=True)))
             return
         which = self._next_buffer
-        self._next_buffer ^= 1
+        self._next_buffer = (which + 1) % len(self._bucket_buffers)
         if self._buffer_work[which] is not None:
             self._finish(*self._buffer_work[which])
             self._buffer_work[which] = None
@@ -335,7 +338,7 @@ class ZeroOptimizer:
             work.wait()
         self._work.clear()
         if self.stage == 2:
-            for which in (0, 1):
+            for which in range(len(self._buffer_work)):
                 if self._buffer_work[which] is not None:
                     self._finish(*self._buffer_work[which])
                     self._buffer_work[which] = None

@@ -1,0 +1,170 @@
+"""ds-zero against DDP (and torch's ZeroRedundancyOptimizer) on the engine workload of DESIGN.md §9.
+
+A GPT-style pre-LN decoder (vocab 8192, d_model 512, 8 layers, 8 heads, sequence 256, untied LM
+head, no dropout: about 34M parameters), micro-batch 4 per rank, synthetic tokens, 2 ranks x 1
+thread on gloo, AdamW. Each configuration runs in fresh rank processes (so peak RSS is its own);
+time per step is the median of steps 3..N. Prints time per step, the ratio to DDP, model-state
+bytes and peak RSS per rank; ``--json PATH`` writes the same figures.
+
+    python benchmarks/bench_zero.py [--steps 20] [--gas 1 4] [--rounds 1] [--json out.json]
+
+ds-zero runs float32 only in this version: the bf16 rows and stage 2 + CPU offload come with mixed
+precision and ZeRO-Offload (the script says so instead of printing them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import ds_comm
+from ds_comm.testing import spawn
+from ds_zero import ZeroOptimizer
+
+VOCAB, D_MODEL, LAYERS, HEADS, SEQ, MICRO_BATCH = 8192, 512, 8, 8, 256, 4
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(D_MODEL), nn.LayerNorm(D_MODEL)
+        self.qkv, self.proj = nn.Linear(D_MODEL, 3 * D_MODEL), nn.Linear(D_MODEL, D_MODEL)
+        self.fc, self.out = nn.Linear(D_MODEL, 4 * D_MODEL), nn.Linear(4 * D_MODEL, D_MODEL)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, HEADS, D_MODEL // HEADS).permute(2, 0, 3, 1, 4)
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, D_MODEL)
+        x = x + self.proj(attn)
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(VOCAB, D_MODEL), nn.Embedding(SEQ, D_MODEL)
+        self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
+        self.norm, self.head = nn.LayerNorm(D_MODEL), nn.Linear(D_MODEL, VOCAB, bias=False)
+
+    def forward(self, tokens):
+        x = self.tok(tokens) + self.pos(torch.arange(tokens.shape[1]))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.norm(x))
+        return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+
+
+def _tokens(step: int, micro: int, rank: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100_000 * step + 100 * micro + rank)
+    return torch.randint(0, VOCAB, (MICRO_BATCH, SEQ), generator=g)
+
+
+def _state_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t) and t.dim() > 0)
+
+
+def run(rank: int, world_size: int, kind: str, gas: int, steps: int) -> dict:
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = GPT()
+    adamw = {"lr": 1e-4, "weight_decay": 0.01}
+    if kind == "ddp" or kind == "torch-zero1":
+        ddp = nn.parallel.DistributedDataParallel(model)
+        if kind == "ddp":
+            optimizer = torch.optim.AdamW(ddp.parameters(), **adamw)
+        else:
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+
+            optimizer = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, **adamw)
+
+        def train_step(step):
+            for micro in range(gas):
+                context = ddp.no_sync() if micro < gas - 1 else torch.enable_grad()
+                with context:
+                    (ddp(_tokens(step, micro, rank)) / gas).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=False)
+
+        def state() -> int:
+            params = list(model.parameters())
+            states = [t for s in optimizer.optim.state.values() for t in s.values()] if kind == "torch-zero1" else \
+                [t for s in optimizer.state.values() for t in s.values()]
+            return _state_bytes(params) + _state_bytes(p.grad for p in params) + _state_bytes(states)
+    else:
+        stage = int(kind.removeprefix("zero-"))
+        zero = ZeroOptimizer(model, torch.optim.AdamW, optimizer_kwargs=adamw, config={"stage": stage},
+                             gradient_accumulation_steps=gas)
+
+        def train_step(step):
+            for micro in range(gas):
+                zero.backward(model(_tokens(step, micro, rank)))
+                zero.step()
+                zero.zero_grad()
+
+        def state() -> int:
+            b = zero.memory_bytes()
+            return b["params"] + b["grads"] + b["master"] + b["optimizer"]
+    times = []
+    for step in range(steps):
+        ds_comm.barrier()
+        start = time.perf_counter()
+        train_step(step)
+        times.append(time.perf_counter() - start)
+    return {"times": times, "state_bytes": state(),
+            "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+
+KINDS = ["ddp", "torch-zero1", "zero-0", "zero-1", "zero-2"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--gas", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--rounds", type=int, default=1, help="interleaved rounds over the configurations")
+    parser.add_argument("--kinds", nargs="+", default=KINDS, choices=KINDS)
+    parser.add_argument("--json", help="write the figures here too")
+    args = parser.parse_args()
+    if args.steps < 4:
+        parser.error("--steps must be >= 4 (steps 3.. are timed)")
+    psi = sum(p.numel() for p in GPT().parameters())
+    print(f"GPT {psi / 1e6:.1f}M parameters, micro-batch {MICRO_BATCH}x{SEQ}, 2 ranks x 1 thread, gloo, float32, "
+          f"AdamW; {args.steps} steps, median of steps 3..{args.steps}, {args.rounds} round(s)", flush=True)
+    rows = []
+    for gas in args.gas:
+        medians: dict[str, list[float]] = {k: [] for k in args.kinds}
+        extra: dict[str, dict] = {}
+        for _ in range(args.rounds):
+            for kind in args.kinds:  # interleaved: each round runs every configuration once
+                results = spawn(run, world_size=2, args=(kind, gas, args.steps), timeout=3600)
+                per_step = [max(r["times"][i] for r in results) for i in range(args.steps)]
+                medians[kind].append(statistics.median(per_step[2:]))
+                extra[kind] = {"state_bytes": max(r["state_bytes"] for r in results),
+                               "peak_rss": max(r["peak_rss"] for r in results)}
+                print(f"  gas {gas} {kind:<12} {medians[kind][-1]:.3f} s/step", flush=True)
+        base = statistics.median(medians["ddp"]) if "ddp" in medians else None
+        for kind in args.kinds:
+            seconds = statistics.median(medians[kind])
+            rows.append({"gas": gas, "kind": kind, "s_per_step": seconds,
+                         "ratio_to_ddp": seconds / base if base else None, **extra[kind]})
+    print(f"\n{'gas':>3} {'config':<12} {'s/step':>8} {'vs DDP':>7} {'state MiB/rank':>15} {'B/param':>8} "
+          f"{'peak RSS MiB/rank':>18}")
+    for row in rows:
+        ratio = f"{row['ratio_to_ddp']:.3f}x" if row["ratio_to_ddp"] else "-"
+        print(f"{row['gas']:>3} {row['kind']:<12} {row['s_per_step']:>8.3f} {ratio:>7} "
+              f"{row['state_bytes'] / 2**20:>15.1f} {row['state_bytes'] / psi:>8.2f} {row['peak_rss'] / 2**20:>18.0f}")
+    print("\nnot measured in this version: bf16 rows and stage 2 + CPU offload (ds-zero trains float32 only)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"parameters": psi, "steps": args.steps, "rounds": args.rounds, "rows": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
