@@ -45,7 +45,7 @@ class CommsLoggerConfig(BaseModel):
     @field_validator("prof_ops")
     @classmethod
     def _known_ops(cls, value):
-        from .collectives import OPS
+        from ._ops import OPS
 
         unknown = [op for op in value if op not in OPS]
         if unknown:
