@@ -117,3 +117,54 @@ def test_bus_bandwidth_factors():
     assert bus_factor("all_gather_into_tensor", 4) == 0.75
     assert bus_factor("reduce_scatter_tensor", 2) == 0.5
     assert bus_factor("broadcast", 8) == 1.0
+
+
+SRC = Path(ds_comm.__file__).resolve().parent
+
+
+def _own_imports(path: Path) -> set[str]:
+    """The ds_comm modules a module imports, anywhere in it (a function-level import closes a cycle too)."""
+    import ast
+
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.level == 1:
+            if node.module:
+                found.add(node.module.split(".")[0])
+            else:
+                found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("ds_comm."):
+            found.add(node.module.split(".")[1])
+    return found
+
+
+def test_the_modules_import_one_another_without_a_cycle():
+    graph = {p.stem: _own_imports(p) for p in SRC.glob("*.py") if p.stem != "__init__"}
+    graph = {module: {m for m in imports if m in graph} for module, imports in graph.items()}
+    seen, done = set(), set()
+
+    def visit(module, path):
+        if module in path:
+            raise AssertionError(f"import cycle: {' -> '.join([*path[path.index(module):], module])}")
+        if module in done:
+            return
+        for imported in sorted(graph[module]):
+            visit(imported, [*path, module])
+        done.add(module)
+
+    for module in sorted(graph):
+        visit(module, [])
+        seen.add(module)
+    assert seen == set(graph)
+    assert graph["_ops"] == set()  # the op table and bus factors: a leaf the others read
+
+
+def test_library_code_logs_instead_of_printing():
+    import ast
+
+    printing = []
+    for path in sorted(SRC.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "print":
+                printing.append(f"{path.name}:{node.lineno}")
+    assert printing == []
