@@ -168,3 +168,22 @@ def test_library_code_logs_instead_of_printing():
             if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "print":
                 printing.append(f"{path.name}:{node.lineno}")
     assert printing == []
+
+
+def test_staging_buffers_are_reused_smallest_fit_first_and_bounded():
+    from ds_comm.collectives import _Staging
+
+    staging = _Staging()
+    cpu = torch.device("cpu")
+    small, big = staging.take(100, torch.float32, cpu), staging.take(1000, torch.float32, cpu)
+    staging.give_back(big)
+    staging.give_back(small)
+    assert staging.take(50, torch.float32, cpu) is small  # the smallest that fits
+    assert staging.take(50, torch.float32, cpu) is big
+    assert staging.take(2000, torch.float32, cpu).numel() == 2000  # none fits: a new one
+    assert staging.take(10, torch.float64, cpu).dtype == torch.float64  # per dtype
+    for n in range(1, 8):
+        staging.give_back(torch.empty(n * 10))
+    assert staging.held_bytes() == 4 * (40 + 50 + 60 + 70)  # KEEP=4: the smallest are dropped
+    staging.clear()
+    assert staging.held_bytes() == 0

@@ -164,11 +164,9 @@ class _Staging:
         key = (device, dtype)
         with self._lock:
             free = self._free.get(key, [])
-            fitting = [b for b in free if b.numel() >= numel]
-            if fitting:
-                best = min(fitting, key=torch.Tensor.numel)
-                free.remove(best)
-                return best
+            fitting = [i for i, b in enumerate(free) if b.numel() >= numel]
+            if fitting:  # (by index: list.remove would compare tensors elementwise)
+                return free.pop(min(fitting, key=lambda i: free[i].numel()))
         return torch.empty(numel, dtype=dtype, device=device)
 
     def give_back(self, buffer: torch.Tensor) -> None:
@@ -176,7 +174,7 @@ class _Staging:
             free = self._free.setdefault((buffer.device, buffer.dtype), [])
             free.append(buffer)
             if len(free) > self.KEEP:
-                free.remove(min(free, key=torch.Tensor.numel))
+                free.pop(min(range(len(free)), key=lambda i: free[i].numel()))
 
     def clear(self) -> None:
         with self._lock:
