@@ -3,6 +3,8 @@ and without per-call allocation, on real gloo ranks."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
@@ -142,3 +144,16 @@ def test_bucketed_collectives_allocate_nothing_per_call():
         assert staged["reduce_scatter_bucket"] and staged["all_reduce_coalesced staged"]  # (the wrapper saw them)
         assert not staged["all_gather_bucket"] and not staged["all_reduce_coalesced in a bucket"]  # no staging at all
         assert same_buffers and sums_ok
+
+
+def readme_bucket_example(rank, world):
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme[readme.index("## Bucketed collectives"):]
+    code = section[section.index("```python") + len("```python"):section.index("```", section.index("```python") + 9)]
+    namespace = {"torch": torch, "ds_comm": ds_comm}
+    exec(code, namespace)
+    return namespace["shard"].tolist() == [world] * 1024 and namespace["params"].tolist() == [world] * (world * 1024)
+
+
+def test_the_readme_bucket_example_runs():
+    assert spawn(readme_bucket_example, world_size=2) == [True, True]

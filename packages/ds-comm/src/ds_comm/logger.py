@@ -343,7 +343,9 @@ class CommsLogger:
             completed = False
         if completed is False:
             message = self._diagnose(op, group, key, seq, timeout)
-            log.error("%s", message)
+            # one line now (the exception carries the diagnosis); the whole of it again at exit if
+            # the exception was caught and never shown
+            log.error("%s (raising CollectiveHang)", message.splitlines()[0])
             _distributed._mark_broken(message)
             raise CollectiveHang(message) from None
         return completed
