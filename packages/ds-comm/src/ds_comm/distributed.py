@@ -177,9 +177,10 @@ def _leave_at_exit() -> None:
     if uncaught is None and world > 1:
         try:
             store = dist.distributed_c10d._get_default_store()
-            if store.add("ds_comm/exit", 1) >= world:
+            if store.add("ds_comm/exit", 1) >= world:  # the last to arrive: everyone is here
                 store.set("ds_comm/exit/all", "1")
-            store.wait(["ds_comm/exit/all"], timedelta(seconds=EXIT_WAIT_S))
+            else:
+                store.wait(["ds_comm/exit/all"], timedelta(seconds=EXIT_WAIT_S))
         except Exception as e:  # a peer left first (its store is gone) or is still working: leave anyway
             logger.warning("ds_comm: at exit, not every rank arrived within %g s (%s); tearing down alone",
                            EXIT_WAIT_S, str(e).splitlines()[0] if str(e) else type(e).__name__)
