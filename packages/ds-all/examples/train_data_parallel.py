@@ -35,16 +35,14 @@ def main() -> int:
     parser.add_argument("--local_rank", type=int, default=0)  # passed by ds-launch
     args = parser.parse_args()
 
-    # The optimizer before the process group: building the first optimizer imports torch._dynamo,
-    # which (torch 2.13) keeps references to a process group that exists at that moment. Then
-    # destroy_process_group cannot free gloo's worker threads, and one still releasing the last
-    # collective when the interpreter shuts down aborts the rank ("terminate called without an
-    # active exception", ~10% of runs here).
+    # ds-comm first, then the model and optimizer, in the natural order: init_distributed makes it
+    # safe to build an optimizer after the process group exists (with plain torch.distributed on
+    # gloo, that order could abort a rank at exit).
+    ds_comm.init_distributed(dist_backend="gloo")
+    ds_comm.configure(enabled=True)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
-    ds_comm.init_distributed(dist_backend="gloo")
-    ds_comm.configure(enabled=True)
     rank, world = ds_comm.get_rank(), ds_comm.get_world_size()
     x, y = make_data(rank, world)
 

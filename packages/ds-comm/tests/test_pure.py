@@ -117,3 +117,96 @@ def test_bus_bandwidth_factors():
     assert bus_factor("all_gather_into_tensor", 4) == 0.75
     assert bus_factor("reduce_scatter_tensor", 2) == 0.5
     assert bus_factor("broadcast", 8) == 1.0
+
+
+SRC = Path(ds_comm.__file__).resolve().parent
+
+
+def _own_imports(path: Path) -> set[str]:
+    """The ds_comm modules a module imports, anywhere in it (a function-level import closes a cycle too)."""
+    import ast
+
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.level == 1:
+            if node.module:
+                found.add(node.module.split(".")[0])
+            else:
+                found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("ds_comm."):
+            found.add(node.module.split(".")[1])
+    return found
+
+
+def test_the_modules_import_one_another_without_a_cycle():
+    graph = {p.stem: _own_imports(p) for p in SRC.glob("*.py") if p.stem != "__init__"}
+    graph = {module: {m for m in imports if m in graph} for module, imports in graph.items()}
+    seen, done = set(), set()
+
+    def visit(module, path):
+        if module in path:
+            raise AssertionError(f"import cycle: {' -> '.join([*path[path.index(module):], module])}")
+        if module in done:
+            return
+        for imported in sorted(graph[module]):
+            visit(imported, [*path, module])
+        done.add(module)
+
+    for module in sorted(graph):
+        visit(module, [])
+        seen.add(module)
+    assert seen == set(graph)
+    assert graph["_ops"] == set()  # the op table and bus factors: a leaf the others read
+
+
+def test_library_code_logs_instead_of_printing():
+    import ast
+
+    printing = []
+    for path in sorted(SRC.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "print":
+                printing.append(f"{path.name}:{node.lineno}")
+    assert printing == []
+
+
+def test_staging_buffers_are_reused_smallest_fit_first_and_bounded():
+    from ds_comm.collectives import _Staging
+
+    staging = _Staging()
+    cpu = torch.device("cpu")
+    small, big = staging.take(100, torch.float32, cpu), staging.take(1000, torch.float32, cpu)
+    staging.give_back(big)
+    staging.give_back(small)
+    assert staging.take(50, torch.float32, cpu) is small  # the smallest that fits
+    assert staging.take(50, torch.float32, cpu) is big
+    assert staging.take(2000, torch.float32, cpu).numel() == 2000  # none fits: a new one
+    assert staging.take(10, torch.float64, cpu).dtype == torch.float64  # per dtype
+    for n in range(1, 8):
+        staging.give_back(torch.empty(n * 10))
+    assert staging.held_bytes() == 4 * (40 + 50 + 60 + 70)  # KEEP=4: the smallest are dropped
+    staging.clear()
+    assert staging.held_bytes() == 0
+
+
+def test_configure_takes_the_section_a_whole_config_or_a_file(tmp_path):
+    import json
+
+    from ds_config import ConfigError
+
+    import ds_comm
+
+    try:
+        assert ds_comm.configure({"enabled": True, "prof_all": False, "prof_ops": ["all_reduce"]}).prof_ops == ["all_reduce"]
+        whole = {"train_batch_size": 8, "comms_logger": {"enabled": True, "verbose": True}}
+        assert ds_comm.configure(whole).verbose is True
+        path = tmp_path / "ds_config.json"
+        path.write_text(json.dumps(whole))
+        assert ds_comm.configure(str(path), verbose=False).verbose is False
+        assert ds_comm.configure({"train_batch_size": 8}).enabled is False  # no section: the defaults
+        with pytest.raises(ConfigError, match="unknown section 'comms_loger'; did you mean 'comms_logger'"):
+            ds_comm.configure({"comms_loger": {"enabled": True}})
+        with pytest.raises(ConfigError, match=r"comms_logger\.enabled: must be true or false, got 1"):
+            ds_comm.configure({"enabled": 1})
+    finally:
+        ds_comm.configure({})

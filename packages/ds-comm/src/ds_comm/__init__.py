@@ -1,7 +1,8 @@
 """ds-comm: what every distributed part of ds talks through.
 
-torch.distributed-shaped collectives (checked, with gloo fallbacks), process-group life with
-launcher/MPI/SLURM discovery, the comms logger (config section ``comms_logger``) with hang
+torch.distributed-shaped collectives (checked, with gloo fallbacks), bucketed collectives over
+caller-owned flat buffers (`reduce_scatter_bucket`, `all_gather_bucket`), process-group life with
+launcher/MPI/SLURM discovery and a clean exit, the comms logger (config section ``comms_logger``) with hang
 diagnosis, 3D topology and the ``mpu``, 1-bit compressed all-reduce, and `ds_comm.testing`.
 """
 
@@ -11,6 +12,7 @@ from .collectives import (
     P2POp,
     ReduceOp,
     all_gather,
+    all_gather_bucket,
     all_gather_into_tensor,
     all_reduce,
     all_reduce_coalesced,
@@ -23,6 +25,7 @@ from .collectives import (
     monitored_barrier,
     recv,
     reduce,
+    reduce_scatter_bucket,
     reduce_scatter_tensor,
     send,
 )
@@ -49,15 +52,15 @@ def configure(config=None, **overrides) -> CommsLoggerConfig:
 
 
 def log_summary(show_straggler: bool = False) -> list[dict]:
-    """Print the per-op summary on rank 0 and return it as records (see `CommsLogger.log_summary`)."""
+    """Log the per-op summary on rank 0 and return it as records (see `CommsLogger.log_summary`)."""
     return comms_logger.log_summary(show_straggler=show_straggler)
 
 
 __all__ = [
     "CollectiveHang", "CommsLoggerConfig", "Grid", "P2POp", "ProcessTopology", "ReduceOp", "__version__",
-    "all_gather", "all_gather_into_tensor", "all_reduce", "all_reduce_coalesced", "all_to_all_single", "barrier",
-    "batch_isend_irecv", "broadcast", "comms_logger", "compressed_allreduce", "configure", "destroy_process_group",
+    "all_gather", "all_gather_bucket", "all_gather_into_tensor", "all_reduce", "all_reduce_coalesced",
+    "all_to_all_single", "barrier", "batch_isend_irecv", "broadcast", "comms_logger", "compressed_allreduce", "configure", "destroy_process_group",
     "error_buffer_sizes", "get_global_rank", "get_local_rank", "get_rank", "get_world_size", "init_distributed",
     "irecv", "is_initialized", "isend", "log_summary", "monitored_barrier", "new_group", "pack_signs", "recv",
-    "reduce", "reduce_scatter_tensor", "send", "unpack_signs",
+    "reduce", "reduce_scatter_bucket", "reduce_scatter_tensor", "send", "unpack_signs",
 ]

@@ -5,6 +5,8 @@ from __future__ import annotations
 from ds_config import Section
 from pydantic import Field, field_validator
 
+from ._ops import OPS
+
 
 class CommsLoggerConfig(Section):
     """DeepSpeed's ``comms_logger`` keys with their defaults, plus ``hang_timeout``."""
@@ -33,10 +35,6 @@ class CommsLoggerConfig(Section):
     @field_validator("prof_ops")
     @classmethod
     def _known_ops(cls, value):
-        if not value:
-            return value
-        from .collectives import OPS
-
         unknown = [op for op in value if op not in OPS]
         if unknown:
             raise ValueError(f"comms_logger.prof_ops: unknown op(s) {unknown}; known: {', '.join(sorted(OPS))}")

@@ -1,10 +1,19 @@
-"""Process-group life: discover rank and world size, initialise torch.distributed, tear it down."""
+"""Process-group life: discover rank and world size, initialise torch.distributed, tear it down.
+
+Leaving is part of the life: `init_distributed` registers an exit hook so that a rank's exit code
+is the one it chose (gloo's threads are stopped while the interpreter is still whole), and a rank
+whose collective was diagnosed as hung leaves at once instead of waiting in gloo for its peer.
+"""
 
 from __future__ import annotations
 
+import atexit
+import importlib
 import logging
 import os
 import re
+import sys
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
@@ -19,6 +28,12 @@ _SOURCES = (
     ("SLURM", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"),
 )
 BACKENDS = ("gloo", "nccl", "mpi", "ucc")
+EXIT_WAIT_S = 10.0  # at exit, how long a rank waits for its peers to leave too before it tears down alone
+HUNG_EXIT_CODE = 1  # the exit status of a rank whose group is broken by a diagnosed hang
+
+_teardown_callbacks: list[Callable[[], None]] = []
+_exit_hook_registered = False
+_broken: str | None = None  # why the group cannot be used any more (a diagnosed hang), or None
 
 
 def first_slurm_host(nodelist: str) -> str:
@@ -80,13 +95,96 @@ def init_distributed(dist_backend: str | None = None, timeout: timedelta = timed
         init_method = "env://"
     if backend == "nccl" and torch.cuda.is_available():
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
+    # torch.distributed.nn.functional binds `group=group.WORLD` as default arguments when it is first
+    # imported: imported after the group exists (torch._dynamo imports it, and the first torch.optim
+    # optimizer imports torch._dynamo), ten functions keep the group alive for good, so
+    # destroy_process_group cannot stop gloo's threads and a rank can abort at exit. Importing it
+    # first binds None instead. It costs 2-6 ms here (torch._dynamo itself would cost 0.8 s).
+    importlib.import_module("torch.distributed.nn")
+
     dist.init_process_group(backend, init_method=init_method, timeout=timeout, rank=rank, world_size=world_size)
+    _register_exit_hook()
     logger.info("ds_comm: rank %d of %d initialised (%s)", rank, world_size, backend)
 
 
 def _require(call: str) -> None:
     if not dist.is_initialized():
         raise RuntimeError(f"ds_comm.{call}: the process group is not initialised; call ds_comm.init_distributed() first")
+
+
+def _require_usable(call: str) -> None:
+    """`_require` for communication: also fails at once on a group broken by a diagnosed hang."""
+    if _broken is not None:
+        raise RuntimeError(f"ds_comm.{call}: the process group is broken by a diagnosed hang ("
+                           f"{_broken.splitlines()[0]}); restart the job")
+    _require(call)
+
+
+def _on_teardown(callback: Callable[[], None]) -> None:
+    """Run ``callback`` when the default group is destroyed (by `destroy_process_group` or at exit),
+    before torch tears it down: the other modules of ds_comm free what they keep per group."""
+    _teardown_callbacks.append(callback)
+
+
+def _teardown() -> None:
+    for callback in _teardown_callbacks:
+        try:
+            callback()
+        except Exception:  # one module's cleanup must not keep the others from theirs
+            logger.exception("ds_comm: a teardown step failed")
+
+
+def _mark_broken(reason: str) -> None:
+    """After a diagnosed hang: every later ds_comm call fails at once, and the process leaves at exit
+    with `HUNG_EXIT_CODE` without touching gloo (whose threads still wait for the stuck peer)."""
+    global _broken
+    _broken = reason
+    _teardown()
+
+
+def _register_exit_hook() -> None:
+    global _exit_hook_registered
+    if not _exit_hook_registered:
+        atexit.register(_leave_at_exit)
+        _exit_hook_registered = True
+
+
+def _flush_and_exit(code: int) -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError, AttributeError):
+            pass
+    logging.shutdown()
+    os._exit(code)
+
+
+def _leave_at_exit() -> None:
+    """The exit hook: tear the group down while the interpreter is whole, so that no gloo thread is
+    left to abort the process during shutdown (which turned exit codes into 134). The ranks first
+    wait for one another through the store (not a collective, which could pair with a peer's
+    unrelated one), at most `EXIT_WAIT_S`; a rank leaving on an uncaught exception does not wait."""
+    uncaught = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+    if _broken is not None:
+        shown = uncaught is not None and str(uncaught) == _broken  # the CollectiveHang's traceback is above
+        logger.error("ds_comm: leaving with exit code %d after a diagnosed hang%s", HUNG_EXIT_CODE,
+                     " (see above)" if shown else f":\n{_broken}")
+        _flush_and_exit(HUNG_EXIT_CODE)
+    if not dist.is_initialized():
+        return
+    _teardown()
+    world = dist.get_world_size()
+    if uncaught is None and world > 1:
+        try:
+            store = dist.distributed_c10d._get_default_store()
+            if store.add("ds_comm/exit", 1) >= world:  # the last to arrive: everyone is here
+                store.set("ds_comm/exit/all", "1")
+            else:
+                store.wait(["ds_comm/exit/all"], timedelta(seconds=EXIT_WAIT_S))
+        except Exception as e:  # a peer left first (its store is gone) or is still working: leave anyway
+            logger.warning("ds_comm: at exit, not every rank arrived within %g s (%s); tearing down alone",
+                           EXIT_WAIT_S, str(e).splitlines()[0] if str(e) else type(e).__name__)
+    dist.destroy_process_group()
 
 
 def is_initialized() -> bool:
@@ -123,12 +221,12 @@ def new_group(ranks=None, timeout: timedelta | None = None, backend: str | None 
 
 def destroy_process_group(group=None) -> None:
     """Leave together, then tear down: a rank that destroys gloo while a peer is still finishing its
-    last collective can make that peer abort."""
+    last collective can make that peer abort. A group broken by a diagnosed hang is torn down
+    without the barrier (the stuck peer would never come)."""
     if not dist.is_initialized():
         return
-    dist.barrier(group=group)
-    dist.destroy_process_group(group)
-    from .logger import comms_logger
-
+    if _broken is None:
+        dist.barrier(group=group)
     if group is None:
-        comms_logger.reset_sequences()
+        _teardown()
+    dist.destroy_process_group(group)

@@ -12,8 +12,10 @@
 
 Ranks are fresh interpreters (``spawn``: forking a process that has run torch's OpenMP code can
 hang the child), each with ``init_distributed`` done on a free port. A rank that raises makes
-``spawn`` raise `RankFailed` with that rank's traceback; ranks still running after ``timeout``
-seconds are killed and `RankTimeout` names them, so a test never hangs. The function travels by
+``spawn`` raise `RankFailed` with that rank's traceback, and so does a rank that reports but then
+exits with a non-zero code (an abort at exit) or does not exit within `EXIT_TIMEOUT_S`; ranks
+still running after ``timeout`` seconds are killed and `RankTimeout` names them, so a test never
+hangs. The function travels by
 reference (module file + name), so it must be a module-level function; test modules that pytest
 imports without a package (``--import-mode=importlib``) work too.
 """
@@ -35,9 +37,11 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
+EXIT_TIMEOUT_S = 30.0  # how long ranks that reported may take to exit
+
 
 class RankFailed(RuntimeError):
-    """A rank raised: the message holds its rank and traceback."""
+    """A rank raised (the message holds its rank and traceback), or exited with a non-zero code."""
 
 
 class RankTimeout(RuntimeError):
@@ -143,13 +147,34 @@ def spawn(fn: Callable, world_size: int = 2, args: tuple = (), kwargs: dict | No
             if not ok:
                 raise RankFailed(f"rank {rank} of {world_size} failed:\n{payload}")
             values[rank] = payload
+        _check_exits(ranks)
     finally:
         for process in ranks:
-            process.join(timeout=5 if len(values) == world_size else 0.5)
+            if process.exitcode is None:
+                process.join(timeout=0.5)
             if process.is_alive():
                 process.kill()
                 process.join()
     return [values[r] for r in range(world_size)]
+
+
+def _check_exits(ranks) -> None:
+    """Every rank reported: each must also exit, with code 0."""
+    deadline = time.monotonic() + EXIT_TIMEOUT_S
+    for process in ranks:
+        process.join(timeout=max(0.0, deadline - time.monotonic()))
+    bad = []
+    for rank, process in enumerate(ranks):
+        code = process.exitcode
+        if code is None:
+            bad.append(f"rank {rank} was still running {EXIT_TIMEOUT_S:g} s after reporting (killed)")
+        elif code < 0:
+            bad.append(f"rank {rank} was killed by {signal.Signals(-code).name} (exit code {code})")
+        elif code > 0:
+            bad.append(f"rank {rank} exited with code {code}")
+    if bad:
+        raise RankFailed(f"every rank of {len(ranks)} reported, but " + "; ".join(bad)
+                         + " (an abort or exit error after the function returned)")
 
 
 def _check_dead(ranks, values: dict) -> None:
