@@ -320,7 +320,7 @@ class ZeroOptimizer:
         # The first micro-step of an accumulation writes the partition directly; later ones add.
         first = self._micro_step % self.gradient_accumulation_steps == 0
         output = self._step_params[b].grad if first else self._received[which][:bucket.shard]
-        work = ds_comm.reduce_scatter_tensor(output, buffer, group=self.group, async_op=True)
+        work = ds_comm.reduce_scatter_bucket(buffer, output, group=self.group, async_op=True)
         self._buffer_work[which] = (b, work, not first, which)
 
     def _finish(self, b: int, work: Any, add: bool, which: int) -> None:
@@ -358,15 +358,12 @@ class ZeroOptimizer:
         return torch.linalg.vector_norm(squares.sqrt())
 
     def _gather_parameters(self) -> None:
-        works = []
-        for bucket in self.layout.buckets:
-            start, length = self._shard(bucket)
-            mine = self._flat[start:start + length].clone()
-            works.append(ds_comm.all_gather_into_tensor(self._flat[bucket.offset:bucket.offset + bucket.padded],
-                                                        mine, group=self.group, async_op=True))
+        """Every rank's updated shards into every rank's parameters: one in-place all-gather per
+        bucket (the rank's shard already sits in its place), all in flight at once."""
+        works = [ds_comm.all_gather_bucket(self._flat[b.offset:b.offset + b.padded], group=self.group, async_op=True)
+                 for b in self.layout.buckets]
         for work in works:
             work.wait()
-
 
 def _version() -> str:
     from . import __version__
