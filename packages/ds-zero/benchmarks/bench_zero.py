@@ -70,7 +70,7 @@ def _state_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t) and t.dim() > 0)
 
 
-def run(rank: int, world_size: int, kind: str, gas: int, steps: int) -> dict:
+def run(rank: int, world_size: int, kind: str, gas: int, steps: int, bucket: int | None) -> dict:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = GPT()
@@ -99,7 +99,8 @@ def run(rank: int, world_size: int, kind: str, gas: int, steps: int) -> dict:
             return _state_bytes(params) + _state_bytes(p.grad for p in params) + _state_bytes(states)
     else:
         stage = int(kind.removeprefix("zero-"))
-        zero = ZeroOptimizer(model, torch.optim.AdamW, optimizer_kwargs=adamw, config={"stage": stage},
+        config = {"stage": stage} if bucket is None else {"stage": stage, "reduce_bucket_size": bucket}
+        zero = ZeroOptimizer(model, torch.optim.AdamW, optimizer_kwargs=adamw, config=config,
                              gradient_accumulation_steps=gas)
 
         def train_step(step):
@@ -130,20 +131,24 @@ def main() -> None:
     parser.add_argument("--gas", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--rounds", type=int, default=1, help="interleaved rounds over the configurations")
     parser.add_argument("--kinds", nargs="+", default=KINDS, choices=KINDS)
+    parser.add_argument("--bucket", type=float, default=None, help="ds-zero's reduce_bucket_size (elements; "
+                        "default: DeepSpeed's 5e8, one bucket for this model)")
     parser.add_argument("--json", help="write the figures here too")
     args = parser.parse_args()
     if args.steps < 4:
         parser.error("--steps must be >= 4 (steps 3.. are timed)")
     psi = sum(p.numel() for p in GPT().parameters())
     print(f"GPT {psi / 1e6:.1f}M parameters, micro-batch {MICRO_BATCH}x{SEQ}, 2 ranks x 1 thread, gloo, float32, "
-          f"AdamW; {args.steps} steps, median of steps 3..{args.steps}, {args.rounds} round(s)", flush=True)
+          f"AdamW; {args.steps} steps, median of steps 3..{args.steps}, {args.rounds} round(s); ds-zero "
+          f"reduce_bucket_size {'5e8 (default)' if args.bucket is None else f'{args.bucket:g}'}", flush=True)
     rows = []
     for gas in args.gas:
         medians: dict[str, list[float]] = {k: [] for k in args.kinds}
         extra: dict[str, dict] = {}
         for _ in range(args.rounds):
             for kind in args.kinds:  # interleaved: each round runs every configuration once
-                results = spawn(run, world_size=2, args=(kind, gas, args.steps), timeout=3600)
+                bucket = None if args.bucket is None else int(args.bucket)
+                results = spawn(run, world_size=2, args=(kind, gas, args.steps, bucket), timeout=3600)
                 per_step = [max(r["times"][i] for r in results) for i in range(args.steps)]
                 medians[kind].append(statistics.median(per_step[2:]))
                 extra[kind] = {"state_bytes": max(r["state_bytes"] for r in results),

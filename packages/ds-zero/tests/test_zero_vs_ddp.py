@@ -1,8 +1,9 @@
 """ZeRO stages 0-2 against torch's DistributedDataParallel on 2 ranks: the same small GPT-style model,
-seed, data and AdamW; after 20 steps every parameter is torch.equal to DDP's, with and without
-gradient clipping (torch.nn.utils.clip_grad_norm_). Stage 2 with clipping or with gradient
-accumulation sums in another order (it reduces every micro-step and gathers each parameter's norm
-from its pieces), so there it matches to float rounding instead: see the README."""
+seed, data and AdamW; after 20 steps every parameter is torch.equal to DDP's, with gradient
+accumulation at stages 0-1 and with gradient clipping (torch.nn.utils.clip_grad_norm_) at stage 0.
+Stages 1-2 gather each parameter's norm from its pieces for clipping, and stage 2 reduces every
+micro-step of an accumulation, so those sum in another order and match to float rounding instead:
+see the README."""
 
 from __future__ import annotations
 
@@ -112,7 +113,7 @@ def compare_with_ddp(rank, world_size, cases):
 
 # (stage, gradient accumulation steps, clipping, reduce_bucket_size): small buckets, so a step has many
 BITWISE = [(0, 1, 0.0, 2000), (1, 1, 0.0, 2000), (2, 1, 0.0, 2000), (0, 4, 0.0, 2000), (1, 4, 0.0, 2000),
-           (2, 1, 0.0, 10**9), (0, 1, 0.5, 2000), (1, 4, 0.5, 2000)]
+           (2, 1, 0.0, 10**9), (0, 1, 0.5, 2000), (0, 4, 0.5, 2000)]
 
 
 def test_stages_0_1_2_are_bitwise_equal_to_ddp():
@@ -122,7 +123,7 @@ def test_stages_0_1_2_are_bitwise_equal_to_ddp():
             assert equal, f"stage {case[0]} gas {case[1]} bucket {case[3]}: max relative difference {worst:.3g}"
 
 
-CLOSE = [(2, 1, 0.5, 2000), (2, 4, 0.0, 2000), (2, 4, 0.5, 2000)]
+CLOSE = [(1, 1, 0.5, 2000), (1, 4, 0.5, 2000), (2, 1, 0.5, 2000), (2, 4, 0.0, 2000), (2, 4, 0.5, 2000)]
 
 
 def test_clipping_and_stage_2_accumulation_follow_ddp_closely():

@@ -44,6 +44,7 @@ class Piece:
     """The part of one parameter that falls in one rank's partition."""
 
     index: int  # the parameter's index in the caller's list
+    bucket: int  # the bucket whose shard holds the piece
     param_offset: int  # first element of the parameter (flattened) in this piece
     numel: int
     partition_offset: int  # where the piece starts in the rank's partition
@@ -113,5 +114,5 @@ class FlatLayout:
                 slot = self.slots[index]
                 lo, hi = max(start, slot.offset), min(end, slot.offset + slot.numel)
                 if lo < hi:
-                    out.append(Piece(index, lo - slot.offset, hi - lo, at + lo - start))
+                    out.append(Piece(index, bucket.index, lo - slot.offset, hi - lo, at + lo - start))
         return out

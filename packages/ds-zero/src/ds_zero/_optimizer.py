@@ -37,6 +37,12 @@ from .config import BF16Config, FP16Config, ZeroConfig, mixed_precision
 
 logger = logging.getLogger(__name__)
 
+# Buckets hold at most this many elements, whatever reduce_bucket_size allows (DeepSpeed's default,
+# 5e8, makes one bucket of a model below 500M parameters: its reduction cannot start before backward
+# ends). 4M float32 elements (16 MiB, near DDP's 25 MiB buckets) overlap reduction with backward and
+# keep stage 2's bucket buffers small; measured on the engine workload, see the README.
+OVERLAP_BUCKET_ELEMENTS = 1 << 22
+
 # Keys of zero_optimization this version accepts but cannot honour yet, and why.
 _NOT_YET = {
     "zero_hpz_partition_size": (1, "ZeRO++ hierarchical partitioning"),
@@ -98,7 +104,7 @@ class ZeroOptimizer:
         _check_same_model(model, self._params, group, self.world_size)
         _broadcast_from_first_rank(model, group)
 
-        bucket_size = self.config.reduce_bucket_size
+        bucket_size = min(self.config.reduce_bucket_size, OVERLAP_BUCKET_ELEMENTS)
         self.layout = FlatLayout([p.shape for p in self._params], world_size=self.world_size, bucket_size=bucket_size)
         self._flat = torch.zeros(self.layout.numel, dtype=torch.float32)
         for p, slot in zip(self._params, self.layout.slots, strict=True):
@@ -118,7 +124,6 @@ class ZeroOptimizer:
             step_grads = [self._grads[start:start + length] for start, length in self._owned]
         else:
             self._partition = torch.zeros(self.layout.shard_numel, dtype=torch.float32)
-            self._pieces = self.layout.pieces(self.rank)
             offsets = self.layout.partition_offsets()
             step_grads = [self._partition[at:at + b.shard] for b, at in zip(self.layout.buckets, offsets, strict=True)]
             largest = max(b.padded for b in self.layout.buckets)
@@ -131,6 +136,8 @@ class ZeroOptimizer:
             self._next_buffer = 0
             shard = max(b.shard for b in self.layout.buckets) if gradient_accumulation_steps > 1 else 0
             self._received = [torch.zeros(shard, dtype=torch.float32) for _ in range(count)]
+        self._pieces = self.layout.pieces(self.rank)  # for the gradient norm at stages 1-2
+        self._shard_starts = self.layout.partition_offsets()
         self._step_params = []
         for (start, length), grad in zip(self._owned, step_grads, strict=True):
             tensor = nn.Parameter(self._flat[start:start + length], requires_grad=True)
@@ -299,7 +306,12 @@ class ZeroOptimizer:
         if self.stage < 2:
             grads = self._grads[bucket.offset:bucket.offset + bucket.padded]
             grads.mul_(scale)  # DDP: bucket = grad * (1 / world_size), then a sum
-            self._work.append((b, ds_comm.all_reduce(grads, group=self.group, async_op=True)))
+            if self.stage == 0:
+                work = ds_comm.all_reduce(grads, group=self.group, async_op=True)
+            else:  # stage 1 needs only its shard: reduce-scatter in place (half all-reduce's traffic)
+                work = ds_comm.reduce_scatter_bucket(grads, self._step_params[b].grad, group=self.group,
+                                                     async_op=True)
+            self._work.append((b, work))
             return
         which = self._next_buffer
         self._next_buffer = (which + 1) % len(self._bucket_buffers)
@@ -345,14 +357,15 @@ class ZeroOptimizer:
 
     def _grad_norm(self) -> torch.Tensor:
         """The global L2 norm as torch.nn.utils.clip_grad_norm_ computes it: the norm of the
-        per-parameter norms. Stages 0-1 hold every reduced gradient, so this is local and bitwise
-        torch's; at stage 2 each parameter's sum of squares is gathered from its pieces first."""
-        if self.stage < 2:
+        per-parameter norms. Stage 0 holds every reduced gradient, so this is local and bitwise
+        torch's; at stages 1-2 each parameter's sum of squares is gathered from its pieces first."""
+        if self.stage == 0:
             norms = torch._foreach_norm([p.grad for p in self._params])
             return torch.linalg.vector_norm(torch.stack(norms))
         squares = torch.zeros(len(self._params), dtype=torch.float32)
         for piece in self._pieces:
-            part = self._partition[piece.partition_offset:piece.partition_offset + piece.numel]
+            shard = self._step_params[piece.bucket].grad
+            part = shard[piece.partition_offset - self._shard_starts[piece.bucket]:][:piece.numel]
             squares[piece.index] += torch.dot(part, part)
         ds_comm.all_reduce(squares, group=self.group)
         return torch.linalg.vector_norm(squares.sqrt())
