@@ -162,14 +162,17 @@ def one_rank_skips_a_collective(rank, world):
     store = torch.distributed.distributed_c10d._get_default_store()
     if rank == 1:
         store.wait(["verdict"])  # skips the next all_reduce; waits for rank 0's diagnosis
-        return store.get("verdict").decode()
+        verdict = store.get("verdict").decode()
+        store.set("read", "1")  # rank 0 hosts the store and leaves at once after a hang: not before this
+        return verdict
     try:
         ds_comm.all_reduce(torch.ones(4))
+        verdict = "no hang detected"
     except ds_comm.CollectiveHang as e:
-        store.set("verdict", str(e))
-        return str(e)
-    store.set("verdict", "no hang detected")
-    return "no hang detected"
+        verdict = str(e)
+    store.set("verdict", verdict)
+    store.wait(["read"])
+    return verdict
 
 
 def test_a_skipped_collective_is_diagnosed_not_hung():
