@@ -110,26 +110,16 @@ def main(argv: list[str] | None = None) -> int:
             floats = [t.view(torch.float32) for t in incoming]
             per_piece = 1
 
-            def pipelined():  # ZeRO-Infinity's sub-group step: prefetch i+2, compute i, write i back
-                ahead = 2
+            def pipelined(with_compute: bool = True):  # ZeRO-Infinity's sub-group step: prefetch i+2,
+                ahead = 2                                  # compute i, write i back
                 reads = {k: swapper.swap_in([in_keys[k]], out=[incoming[k]]) for k in range(min(ahead, count))}
                 writes = []
                 for k in range(count):
                     if k + ahead < count:
                         reads[k + ahead] = swapper.swap_in([in_keys[k + ahead]], out=[incoming[k + ahead]])
                     reads.pop(k).wait()
-                    compute(floats[k], per_piece)
-                    writes.append(swapper.swap_out([incoming[k]], keys=[out_keys[k]]))
-                wait_all(writes)
-
-            def pipelined_io_alone():
-                ahead = 2
-                reads = {k: swapper.swap_in([in_keys[k]], out=[incoming[k]]) for k in range(min(ahead, count))}
-                writes = []
-                for k in range(count):
-                    if k + ahead < count:
-                        reads[k + ahead] = swapper.swap_in([in_keys[k + ahead]], out=[incoming[k + ahead]])
-                    reads.pop(k).wait()
+                    if with_compute:
+                        compute(floats[k], per_piece)
                     writes.append(swapper.swap_out([incoming[k]], keys=[out_keys[k]]))
                 wait_all(writes)
 
@@ -149,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{piece >> 20} MiB ({one_pass * 1e3:.0f} ms each)", file=sys.stderr, flush=True)
 
             cases = {"io": io_alone, "compute": compute_alone, "overlapped": overlapped,
-                     "pipelined io": pipelined_io_alone, "pipelined compute": pipelined_compute_alone,
+                     "pipelined io": lambda: pipelined(with_compute=False), "pipelined compute": pipelined_compute_alone,
                      "pipelined": pipelined}
             times: dict[str, list[float]] = {name: [] for name in cases}
             for repeat in range(args.repeats):
