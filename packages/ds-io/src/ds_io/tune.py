@@ -127,6 +127,11 @@ class Result:
         return max(speeds) if speeds else None
 
     @property
+    def score(self) -> float:
+        """What the recommendation maximises: the faster read path's GB/s plus the write GB/s."""
+        return (self.best_read_gbps or 0.0) + (self.write_gbps or 0.0)
+
+    @property
     def buffered_reads(self) -> bool:
         """Whether buffered reads were measured faster than O_DIRECT ones for this configuration."""
         return (self.buffered_read_gbps or 0.0) > (self.read_gbps or 0.0)
@@ -289,9 +294,7 @@ def _run(handle: AsyncIOHandle, buffers, files, write: bool, fresh: bool, evict:
 def _summarize(results: list[Result], read: bool, write: bool, seconds: float) -> TuneReport:
     best_read = max((r.best_read_gbps for r in results), default=None) if read else None
     best_write = max((r.write_gbps for r in results), default=None) if write else None
-    def score(r: Result) -> float:
-        return (r.best_read_gbps or 0.0) + (r.write_gbps or 0.0)
-    best = max(results, key=score)
+    best = max(results, key=lambda r: r.score)
     return TuneReport(results, best_read, best_write, best.config(), seconds, buffered_reads=best.buffered_reads)
 
 
@@ -331,7 +334,7 @@ def _main(args: argparse.Namespace) -> int:
     fmt = lambda v: "n/a" if v is None else f"{v:.2f}"  # noqa: E731
     print(f"Best performance (GB/sec): read = {fmt(report.best_read_gbps)}, write = {fmt(report.best_write_gbps)}"
           f"  ({len(report.results)} configurations in {report.seconds:.0f} s)")
-    best = max(report.results, key=lambda r: (r.best_read_gbps or 0.0) + (r.write_gbps or 0.0))
+    best = max(report.results, key=lambda r: r.score)
     if best.buffered_read_gbps is not None and best.read_gbps is not None:
         faster = "buffered (page cache + readahead)" if best.buffered_reads else "O_DIRECT"
         print(f"Reads with the recommended settings: O_DIRECT {best.read_gbps:.2f} GB/s, buffered "
