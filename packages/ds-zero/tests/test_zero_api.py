@@ -11,7 +11,7 @@ from torch import nn
 
 import ds_comm
 from ds_comm.testing import spawn
-from ds_zero import ZeroOptimizer
+from ds_zero import ZeroOptimizer, estimate_zero_model_states_mem_needs
 
 
 def _model(width: int = 128, extra: int = 0) -> nn.Module:
@@ -46,8 +46,10 @@ def test_model_state_memory_is_at_the_zero_formulas():
         formula = {0: (4, 4, 8), 1: (4, 4, 8 / n), 2: (4, 4 / n, 8 / n)}
         for stage, (params, grads, states) in formula.items():
             got = by_stage[stage]
+            estimate = estimate_zero_model_states_mem_needs(psi, stage=stage, world_size=n, precision="fp32")
             for kind, per_param in (("params", params), ("grads", grads), ("optimizer", states)):
                 assert abs(got[kind] - psi * per_param) <= 0.01 * psi * per_param, (stage, kind, got, psi)
+                assert abs(got[kind] - estimate[kind]) <= 0.01 * estimate[kind], (stage, kind, got, estimate)
             assert got["master"] == 0
         totals = [sum(by_stage[s][k] for k in ("params", "grads", "optimizer")) / psi for s in (0, 1, 2)]
         assert [round(t) for t in totals] == [16, 12, 10]
@@ -141,10 +143,12 @@ def test_state_dict_round_trip_resumes_exactly(stage):
 
 @pytest.mark.parametrize(("kwargs", "error", "message"), [
     ({"config": {"stage": 3}}, NotImplementedError, "stage 3 is not implemented yet"),
-    ({"config": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}, NotImplementedError,
-     "offload_optimizer is not implemented yet"),
-    ({"bf16": {"enabled": True}}, NotImplementedError, "bf16 training is not implemented yet"),
-    ({"fp16": {"enabled": True}}, NotImplementedError, "fp16 training is not implemented yet"),
+    ({"config": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}}, NotImplementedError,
+     "offload_optimizer.ratio 0.5 (partial offload) is not implemented"),
+    ({"fp16": {"enabled": True, "fp16_master_weights_and_grads": True}}, NotImplementedError,
+     "fp16.fp16_master_weights_and_grads is not implemented"),
+    ({"bf16": {"enabled": True}, "communication_data_type": "int8"}, ValueError,
+     'communication_data_type must be "fp32", "fp16" or "bf16" (or null), got \'int8\''),
     ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, ValueError, "both true"),
     ({"config": {"zero_quantized_gradients": True}}, NotImplementedError, "zero_quantized_gradients"),
     ({"config": {"reduce_bucket_size": "auto"}}, ValueError, 'reduce_bucket_size is "auto"'),

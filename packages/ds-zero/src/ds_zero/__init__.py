@@ -1,17 +1,24 @@
 """ds-zero: the Zero Redundancy Optimizer for a plain PyTorch loop.
 
     zero = ds_zero.ZeroOptimizer(model, torch.optim.AdamW, optimizer_kwargs={"lr": 1e-3},
-                                 config={"stage": 2})
+                                 config={"stage": 2}, bf16={"enabled": True})
     zero.backward(loss); zero.step(); zero.zero_grad()
 
-Stages 0-2 in float32 today; mixed precision, offload and stage 3 are refused with a message until
-they land (see the package README).
+Stages 0-2 in float32, fp16 (loss scaling) and bf16 with a float32 master copy, CPU offload of the
+optimizer (ZeRO-Offload); stage 3 and NVMe are refused with a message until they land (see the
+package README).
 """
 
+from ._estimate import (
+                        estimate_zero2_model_states_mem_needs_all_cold,
+                        estimate_zero2_model_states_mem_needs_all_live,
+                        estimate_zero_model_states_mem_needs,
+)
 from ._optimizer import ZeroOptimizer
 from .config import BF16Config, FP16Config, OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig
 
 __version__ = "0.1.0"
 
 __all__ = ["BF16Config", "FP16Config", "OffloadOptimizerConfig", "OffloadParamConfig", "ZeroConfig", "ZeroOptimizer",
-           "__version__"]
+           "__version__", "estimate_zero2_model_states_mem_needs_all_cold",
+           "estimate_zero2_model_states_mem_needs_all_live", "estimate_zero_model_states_mem_needs"]

@@ -15,13 +15,17 @@ overlaps the rest of backward:
   gradients are freed at once. Optimizer and gather as in stage 1.
 
 The optimizer is the caller's class (``torch.optim.AdamW``, ``ds_ops.CPUAdam``, any optimizer whose
-update is elementwise), built over one tensor per bucket: views of the flat buffer, so stepping them
-updates the model.
+update is elementwise), built over one tensor per bucket: in float32, views of the flat buffer, so
+stepping them updates the model. With fp16/bf16 the flat buffer (and so the model) is 16-bit and the
+optimizer is built over a float32 master copy of the part this rank steps (all of it at stage 0);
+Adam-family optimizers are then stepped in one fused pass that also writes the new 16-bit
+parameters (`_precision`), others on float32 copies of the gradients. fp16 scales the loss
+(`LossScaler`) and skips the step on every rank when any gradient overflowed. ZeRO-Offload
+(``offload_optimizer.device: cpu``) steps the master partition with ds-ops' CPU Adam.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 from collections.abc import Callable
@@ -33,6 +37,23 @@ from torch import nn
 import ds_comm
 
 from ._layout import FlatLayout
+from ._model import (
+    broadcast_from_first_rank,
+    check_same_model,
+    param_name,
+    short,
+    trainable,
+    version,
+)
+from ._precision import (
+    DTYPES,
+    adam_recipe,
+    cast_floating_inputs,
+    communication_dtype,
+    fused_adam_step,
+    needs_whole_tensors,
+)
+from ._scaler import LossScaler
 from .config import BF16Config, FP16Config, ZeroConfig, mixed_precision
 
 logger = logging.getLogger(__name__)
@@ -59,33 +80,38 @@ class ZeroOptimizer:
     tensors to optimize), in a plain loop::
 
         zero = ZeroOptimizer(model, torch.optim.AdamW, optimizer_kwargs={"lr": 1e-3},
-                             config={"stage": 2, "reduce_bucket_size": 5e8})
+                             config={"stage": 2, "reduce_bucket_size": 5e8}, bf16={"enabled": True})
         for batch in batches:
             zero.backward(loss_fn(model(batch)))
             zero.step()          # True when the optimizer stepped (at each accumulation boundary)
             zero.zero_grad()
 
     ``config``: the ``zero_optimization`` section (a `ZeroConfig`, a dict, or a whole DeepSpeed
-    config). ``gradient_clipping``: the global gradient norm's maximum (0: off).
+    config); ``fp16``/``bf16``: those sections (or the whole config). With either enabled the model's
+    floating-point parameters and buffers become 16-bit and a float32 master copy is stepped.
+    ``gradient_clipping``: the global gradient norm's maximum (0: off).
     ``gradient_accumulation_steps``: micro-steps per optimizer step; ``backward`` divides the loss by
-    it, as DeepSpeed's engine does. ``group``: the data-parallel process group (default: all ranks).
-    This version trains in float32; ``fp16``/``bf16`` sections that enable half precision are refused
-    with a message until mixed precision lands.
+    it, as DeepSpeed's engine does. ``communication_data_type``: the dtype gradients are reduced in
+    ("fp32", "fp16", "bf16"; default: float32 for bf16, else the gradients' dtype). ``group``: the
+    data-parallel process group (default: all ranks).
     """
 
     def __init__(self, model: nn.Module, optimizer: type[torch.optim.Optimizer] | Callable = torch.optim.AdamW, *,
                  optimizer_kwargs: dict[str, Any] | None = None, config: Any = None, fp16: Any = None,
                  bf16: Any = None, gradient_clipping: float = 0.0, gradient_accumulation_steps: int = 1,
-                 group: Any = None):
+                 communication_data_type: Any = None, group: Any = None):
         if not isinstance(model, nn.Module):
             raise ValueError(f"ZeroOptimizer: model must be a torch.nn.Module, got {type(model).__name__}")
         if not callable(optimizer):
             raise ValueError(f"ZeroOptimizer: optimizer must be an optimizer class or a callable, got {optimizer!r}")
         self.config = ZeroConfig.from_section_or_ds_config(config)
-        precision = mixed_precision(FP16Config.from_section_or_ds_config(fp16), BF16Config.from_section_or_ds_config(bf16))
-        if precision != "fp32":
-            raise NotImplementedError(f"ZeroOptimizer: {precision} training is not implemented yet in ds-zero "
-                                      f"{_version()} (float32 only); disable {precision}.enabled")
+        fp16_config = FP16Config.from_section_or_ds_config(fp16)
+        self.precision = mixed_precision(fp16_config, BF16Config.from_section_or_ds_config(bf16))
+        if self.precision == "fp16" and fp16_config.fp16_master_weights_and_grads:
+            raise NotImplementedError("fp16.fp16_master_weights_and_grads is not implemented in ds-zero "
+                                      f"{version()}: the master copy is float32; remove the key")
+        self.dtype = DTYPES[self.precision]
+        self.communication_data_type = communication_dtype(communication_data_type, self.precision)
         self._refuse_what_is_not_implemented()
         if isinstance(gradient_clipping, bool) or not isinstance(gradient_clipping, (int, float)) \
                 or not math.isfinite(gradient_clipping) or gradient_clipping < 0:
@@ -93,68 +119,91 @@ class ZeroOptimizer:
         if isinstance(gradient_accumulation_steps, bool) or not isinstance(gradient_accumulation_steps, int) \
                 or gradient_accumulation_steps < 1:
             raise ValueError(f"gradient_accumulation_steps must be an integer >= 1, got {gradient_accumulation_steps!r}")
+        params = trainable(model)
+        for p in params:
+            if p.device.type != "cpu":
+                raise NotImplementedError(f"ZeroOptimizer: parameter {param_name(model, p)} is on {p.device}; ds-zero "
+                                          f"{version()} trains CPU models over gloo (its CUDA path is not built yet)")
+            if p.dtype not in (torch.float32, self.dtype):
+                raise ValueError(f"ZeroOptimizer: parameter {param_name(model, p)} is {p.dtype}; {self.precision} "
+                                 f"training takes float32{'' if self.dtype == torch.float32 else f' or {self.dtype}'} "
+                                 "parameters")
         if not ds_comm.is_initialized():
             raise RuntimeError("ZeroOptimizer: the process group is not initialised; call ds_comm.init_distributed() first")
-        self.model, self.group = model, group
+        self.model, self.group, self._params = model, group, params
         self.stage = self.config.stage
+        self.offload = self.config.offload_optimizer is not None and self.config.offload_optimizer.device == "cpu"
         self.gradient_clipping = float(gradient_clipping)
         self.gradient_accumulation_steps = gradient_accumulation_steps
         self.world_size, self.rank = ds_comm.get_world_size(group), ds_comm.get_rank(group)
-        self._params = _trainable(model)
-        _check_same_model(model, self._params, group, self.world_size)
-        _broadcast_from_first_rank(model, group)
+        self.scaler = LossScaler(fp16_config) if self.precision == "fp16" else None
+        self.skipped_steps = 0
+        check_same_model(model, params, group, self.world_size)
+        broadcast_from_first_rank(model, group)
 
         bucket_size = min(self.config.reduce_bucket_size, OVERLAP_BUCKET_ELEMENTS)
-        self.layout = FlatLayout([p.shape for p in self._params], world_size=self.world_size, bucket_size=bucket_size)
-        self._flat = torch.zeros(self.layout.numel, dtype=torch.float32)
-        for p, slot in zip(self._params, self.layout.slots, strict=True):
-            if p.dtype != torch.float32:
-                raise NotImplementedError(f"ZeroOptimizer: parameter {_name(model, p)} is {p.dtype}; this version "
-                                          "trains float32 models only")
+        self.layout = layout = FlatLayout([p.shape for p in params], world_size=self.world_size, bucket_size=bucket_size)
+        self._owned = [self._shard(b) if self.stage > 0 else (b.offset, b.padded) for b in layout.buckets]
+        self._shard_starts = layout.partition_offsets()
+        self._flat = torch.zeros(layout.numel, dtype=self.dtype)
+        self._master = None  # a float32 master copy of what this rank steps, when the model is 16-bit
+        if self.dtype != torch.float32:
+            self._master = torch.zeros(layout.numel if self.stage == 0 else layout.shard_numel, dtype=torch.float32)
+            self._fill_master(params)
+        for p, slot in zip(params, layout.slots, strict=True):
             view = self._flat[slot.offset:slot.offset + slot.numel].view(p.shape)
             view.copy_(p.detach())
             p.data = view
             p.grad = None
-        self._bucket_of = {id(p): slot.bucket for p, slot in zip(self._params, self.layout.slots, strict=True)}
-        self._owned = [self._shard(b) if self.stage > 0 else (b.offset, b.padded) for b in self.layout.buckets]
+        if self.dtype != torch.float32:  # the rest of the model (frozen parameters, buffers) in 16 bits too
+            for tensor in [*model.parameters(), *model.buffers()]:
+                if tensor.is_floating_point() and tensor.dtype != self.dtype:
+                    tensor.data = tensor.data.to(self.dtype)
+            if fp16_config.auto_cast and self.precision == "fp16":
+                self._cast_hook = model.register_forward_pre_hook(cast_floating_inputs(self.dtype), with_kwargs=True)
+        self._bucket_of = {id(p): slot.bucket for p, slot in zip(params, layout.slots, strict=True)}
         if self.stage < 2:
-            self._grads = torch.zeros(self.layout.numel, dtype=torch.float32)
-            for p, slot in zip(self._params, self.layout.slots, strict=True):
+            self._grads = torch.zeros(layout.numel, dtype=self.dtype)
+            for p, slot in zip(params, layout.slots, strict=True):
                 p.grad = self._grads[slot.offset:slot.offset + slot.numel].view(p.shape)
-            step_grads = [self._grads[start:start + length] for start, length in self._owned]
+            self._step_grads = [self._grads[start:start + length] for start, length in self._owned]
         else:
-            self._partition = torch.zeros(self.layout.shard_numel, dtype=torch.float32)
-            offsets = self.layout.partition_offsets()
-            step_grads = [self._partition[at:at + b.shard] for b, at in zip(self.layout.buckets, offsets, strict=True)]
-            largest = max(b.padded for b in self.layout.buckets)
-            # two bucket buffers (one fills while the other's reduce-scatter is in flight), one if
-            # there is one bucket; reduce-scatters of later micro-steps of an accumulation land in a
-            # received buffer first (the first micro-step's write the partition directly)
-            count = min(2, len(self.layout.buckets))
-            self._bucket_buffers = [torch.zeros(largest, dtype=torch.float32) for _ in range(count)]
-            self._buffer_work: list[Any] = [None] * count
-            self._next_buffer = 0
-            shard = max(b.shard for b in self.layout.buckets) if gradient_accumulation_steps > 1 else 0
-            self._received = [torch.zeros(shard, dtype=torch.float32) for _ in range(count)]
-        self._pieces = self.layout.pieces(self.rank)  # for the gradient norm at stages 1-2
-        self._shard_starts = self.layout.partition_offsets()
-        self._step_params = []
-        for (start, length), grad in zip(self._owned, step_grads, strict=True):
-            tensor = nn.Parameter(self._flat[start:start + length], requires_grad=True)
-            tensor.grad = grad
-            self._step_params.append(tensor)
+            self._partition = torch.zeros(layout.shard_numel, dtype=self.dtype)
+            self._step_grads = [self._partition[at:at + b.shard] for b, at in zip(layout.buckets, self._shard_starts,
+                                                                                  strict=True)]
+        self._make_reduction_buffers()
+        self._pieces = layout.pieces(self.rank)  # for the gradient norm at stages 1-2
+        # where each bucket's stepped part lives in the master copy (the flat buffer itself in float32)
+        if self._master is None or self.stage == 0:
+            in_master = self._owned
+        else:
+            in_master = [(at, b.shard) for b, at in zip(layout.buckets, self._shard_starts, strict=True)]
+        master = self._flat if self._master is None else self._master
+        self._step_params = [nn.Parameter(master[at:at + n], requires_grad=True) for at, n in in_master]
         self.optimizer = optimizer(self._step_params, **(optimizer_kwargs or {}))
+        self._check_optimizer()
+        # the fused path: 16-bit models and CPU offload step Adam-family optimizers with ds_ops.adam_step
+        self._recipe = adam_recipe(self.optimizer) if (self._master is not None or self.offload) else None
+        self._copies = None if self._master is None else [self._flat[s:s + n] for s, n in self._owned]
+        self._master_grads = None  # float32 gradients for a non-Adam optimizer of a 16-bit model
+        if self._master is not None and self._recipe is None:
+            self._master_grads = torch.zeros_like(self._master)
+        for tensor, grad, (at, n) in zip(self._step_params, self._step_grads, in_master, strict=True):
+            if self._master_grads is not None:
+                tensor.grad = self._master_grads[at:at + n]
+            elif grad.dtype == torch.float32:  # the fused step reads 16-bit gradients where they are
+                tensor.grad = grad
 
-        self._index_of = {id(p): i for i, p in enumerate(self._params)}
-        self._ready = [0] * len(self.layout.buckets)
+        self._index_of = {id(p): i for i, p in enumerate(params)}
+        self._ready = [0] * len(layout.buckets)
         self._fired: set[int] = set()  # parameters whose gradient arrived in this backward
-        self._reduced = [False] * len(self.layout.buckets)  # buckets reduced in this backward
-        self._work: list[tuple[int, Any]] = []
+        self._reduced = [False] * len(layout.buckets)  # buckets reduced in this backward
+        self._work: list[tuple[Any, Callable | None]] = []  # reductions in flight without a staging buffer
         self._micro_step = 0
         self._callback_queued = False
         self._boundary_reduced = False  # the boundary's backward reduced every bucket
         self._global_grad_norm: float | None = None
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_gradient) for p in self._params]
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_gradient) for p in params]
 
     # ------------------------------------------------------------------------------------- loop API
     @property
@@ -162,30 +211,64 @@ class ZeroOptimizer:
         """Whether the current micro-step ends an accumulation (its ``step()`` updates the model)."""
         return (self._micro_step + 1) % self.gradient_accumulation_steps == 0
 
+    @property
+    def loss_scale(self) -> float:
+        """The factor ``backward`` multiplies the loss by (fp16 loss scaling; 1.0 otherwise)."""
+        return self.scaler.scale if self.scaler is not None else 1.0
+
     def backward(self, loss: torch.Tensor, *, retain_graph: bool = False, scale_wrt_gas: bool = True) -> None:
-        """``loss.backward()``, divided by ``gradient_accumulation_steps`` (``scale_wrt_gas``);
-        gradients are reduced bucket by bucket as backward produces them."""
+        """``loss.backward()``, times the fp16 loss scale and divided by ``gradient_accumulation_steps``
+        (``scale_wrt_gas``); gradients are reduced bucket by bucket as backward produces them."""
         if not torch.is_tensor(loss) or loss.numel() != 1:
             raise ValueError(f"ZeroOptimizer.backward: loss must be a one-element tensor, got "
                              f"{type(loss).__name__}{tuple(loss.shape) if torch.is_tensor(loss) else ''}")
         if scale_wrt_gas and self.gradient_accumulation_steps > 1:
             loss = loss / self.gradient_accumulation_steps
+        if self.scaler is not None:
+            loss = loss.float() * self.scaler.scale
         loss.backward(retain_graph=retain_graph)
 
     def step(self) -> bool:
-        """At an accumulation boundary: wait for the reductions, clip, step, gather; returns True.
+        """At an accumulation boundary: wait for the reductions, check for overflow (fp16), clip,
+        step, gather; returns True, or False when an overflow skipped the step (on every rank).
         Between boundaries: count the micro-step and return False."""
         boundary = self.is_gradient_accumulation_boundary
         self._micro_step += 1
         if not boundary:
             return False
         self._wait_reductions()
-        norm = self._grad_norm()
-        self._global_grad_norm = float(norm)
-        if self.gradient_clipping > 0:  # torch.nn.utils.clip_grad_norm_'s arithmetic, in float32
-            coefficient = (self.gradient_clipping / (norm + 1e-6)).clamp(max=1.0)
-            torch._foreach_mul_([t.grad for t in self._step_params], coefficient)
-        self.optimizer.step()
+        scale = self.loss_scale
+        norm = self._grad_norm()  # the same value on every rank
+        if self.scaler is not None:
+            if not math.isfinite(float(norm)):
+                before = self.scaler.scale
+                self.scaler.update(True)
+                self.skipped_steps += 1
+                self._global_grad_norm = None
+                logger.warning("fp16: gradient overflow, step skipped (loss scale %g -> %g)", before, self.scaler.scale)
+                return False
+            self.scaler.update(False)
+        self._global_grad_norm = float(norm) / scale
+        if self._recipe is not None:
+            coefficient = 1.0
+            if self.gradient_clipping > 0:
+                coefficient = min(1.0, self.gradient_clipping / (self._global_grad_norm + 1e-6))
+            fused_adam_step(self.optimizer, self._recipe, self._step_params, self._step_grads,
+                            self._copies, scale / coefficient)
+        elif self._master_grads is not None:
+            multiplier = 1.0 / scale
+            if self.gradient_clipping > 0:
+                multiplier *= min(1.0, self.gradient_clipping / (self._global_grad_norm + 1e-6))
+            for tensor, grad in zip(self._step_params, self._step_grads, strict=True):
+                tensor.grad.copy_(grad).mul_(multiplier)  # widened first, then scaled in float32
+            self.optimizer.step()
+            for copy, tensor in zip(self._copies, self._step_params, strict=True):
+                copy.copy_(tensor.detach())
+        else:
+            if self.gradient_clipping > 0:  # torch.nn.utils.clip_grad_norm_'s arithmetic, in float32
+                coefficient = (self.gradient_clipping / (norm + 1e-6)).clamp(max=1.0)
+                torch._foreach_mul_([t.grad for t in self._step_params], coefficient)
+            self.optimizer.step()
         if self.stage > 0:
             self._gather_parameters()
         return True
@@ -203,51 +286,72 @@ class ZeroOptimizer:
                 p.grad = None
 
     def get_global_grad_norm(self) -> float | None:
-        """The L2 norm of the whole (reduced, unclipped) gradient at the last step; None before one."""
+        """The L2 norm of the whole (reduced, unscaled, unclipped) gradient at the last step; None
+        before one and after a skipped (overflowed) step."""
         return self._global_grad_norm
 
     def memory_bytes(self) -> dict[str, int]:
-        """Bytes this rank holds for the model's states, by kind: ``params`` (the flat parameters),
-        ``grads`` (full at stages 0-1, this rank's partition at stage 2), ``master`` (a separate
-        float32 copy: none in float32 training, where the parameters are the master), ``optimizer``
-        (the optimizer's state tensors), and ``buffers`` (stage 2's reusable bucket buffers)."""
-        states = sum(t.numel() * t.element_size() for state in self.optimizer.state.values()
-                     for t in state.values() if torch.is_tensor(t) and t.dim() > 0)
-        grads = self._grads if self.stage < 2 else self._partition
-        buffers = [] if self.stage < 2 else [*self._bucket_buffers, *self._received]
-        return {"params": self._flat.numel() * 4, "grads": grads.numel() * 4, "master": 0, "optimizer": states,
-                "buffers": sum(b.numel() * 4 for b in buffers)}
+        """Bytes this rank holds for the model's states, by kind: ``params`` (the flat parameters,
+        16-bit with fp16/bf16), ``grads`` (full at stages 0-1, this rank's partition at stage 2, plus
+        float32 copies for a non-Adam optimizer of a 16-bit model), ``master`` (the float32 copy of
+        what this rank steps; none in float32 training, where the parameters are the master),
+        ``optimizer`` (the optimizer's state tensors), and ``buffers`` (reusable reduction buffers)."""
+        def size(tensors) -> int:
+            return sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t) and t.dim() > 0)
+
+        grads = [self._grads if self.stage < 2 else self._partition, self._master_grads]
+        return {"params": size([self._flat]), "grads": size(grads), "master": size([self._master]),
+                "optimizer": size(t for state in self.optimizer.state.values() for t in state.values()),
+                "buffers": size([*self._bucket_buffers, *self._received])}
+
+    def _identity(self) -> dict[str, Any]:
+        return {"zero_stage": self.stage, "world_size": self.world_size, "rank": self.rank, "precision": self.precision,
+                "shapes": [tuple(p.shape) for p in self._params], "bucket_size": self.layout.bucket_size}
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's part: the optimizer's state over its shards, and what it was laid out for."""
-        return {"zero_stage": self.stage, "world_size": self.world_size, "rank": self.rank,
-                "shapes": [tuple(p.shape) for p in self._params], "bucket_size": self.layout.bucket_size,
-                "micro_step": self._micro_step, "optimizer": self.optimizer.state_dict()}
+        """This rank's part: the optimizer's state over its shards, the float32 master copy (16-bit
+        models), the loss scaler (fp16), and what it was laid out for."""
+        state = {**self._identity(), "micro_step": self._micro_step, "optimizer": self.optimizer.state_dict(),
+                 "skipped_steps": self.skipped_steps}
+        if self._master is not None:
+            state["master"] = self._master.clone()
+        if self.scaler is not None:
+            state["loss_scaler"] = self.scaler.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load a `state_dict` saved by the same rank of the same layout (loading on another world
-        size or stage is the checkpoint issue's reshaping)."""
-        mine = {"zero_stage": self.stage, "world_size": self.world_size, "rank": self.rank,
-                "shapes": [tuple(p.shape) for p in self._params], "bucket_size": self.layout.bucket_size}
-        for key, value in mine.items():
+        size or stage is the checkpoint issue's reshaping). Every rank calls it: with a master copy
+        the parameters are set from it and gathered."""
+        for key, value in self._identity().items():
             if key not in state:
                 raise ValueError(f"ZeroOptimizer.load_state_dict: the state has no {key!r}")
             saved = [tuple(s) for s in state[key]] if key == "shapes" else state[key]
             if saved != value:
-                raise ValueError(f"ZeroOptimizer.load_state_dict: saved with {key}={_short(saved)}, this optimizer "
-                                 f"has {key}={_short(value)}")
+                raise ValueError(f"ZeroOptimizer.load_state_dict: saved with {key}={short(saved)}, this optimizer "
+                                 f"has {key}={short(value)}")
         self.optimizer.load_state_dict(state["optimizer"])
         self._micro_step = int(state["micro_step"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+        if self.scaler is not None:
+            self.scaler.load_state_dict(state["loss_scaler"])
+        if self._master is not None:
+            self._master.copy_(state["master"])
+            for copy, tensor in zip(self._copies, self._step_params, strict=True):
+                copy.copy_(tensor.detach())
+            if self.stage > 0:
+                self._gather_parameters()
 
     # ------------------------------------------------------------------------------------ internals
     def _refuse_what_is_not_implemented(self) -> None:
         config = self.config
         if config.stage == 3:
             raise NotImplementedError("zero_optimization.stage 3 is not implemented yet in ds-zero "
-                                      f"{_version()} (stages 0-2)")
-        if config.offload_optimizer is not None and config.offload_optimizer.device != "none":
-            raise NotImplementedError("zero_optimization.offload_optimizer is not implemented yet in ds-zero "
-                                      f"{_version()}")
+                                      f"{version()} (stages 0-2)")
+        offload = config.offload_optimizer
+        if offload is not None and offload.device == "cpu" and offload.ratio != 1.0:
+            raise NotImplementedError(f"zero_optimization.offload_optimizer.ratio {offload.ratio:g} (partial offload) "
+                                      f"is not implemented in ds-zero {version()}; use 1.0")
         for key, (default, what) in _NOT_YET.items():
             if getattr(config, key) != default:
                 raise NotImplementedError(f"zero_optimization.{key} ({what}) is not implemented in ds-zero; "
@@ -255,6 +359,41 @@ class ZeroOptimizer:
         if config.reduce_bucket_size == "auto":
             raise ValueError('zero_optimization.reduce_bucket_size is "auto": resolve it to a number of '
                              "elements first (the engine does this from the model)")
+
+    def _check_optimizer(self) -> None:
+        why = needs_whole_tensors(self.optimizer)
+        if why is not None:
+            raise ValueError(f"ZeroOptimizer: {type(self.optimizer).__name__} cannot step ZeRO's flat partitions: "
+                             f"{why}; use an optimizer whose update is elementwise (Adam, AdamW, SGD, Adagrad, ...)")
+        if self.offload and adam_recipe(self.optimizer) is None:
+            raise ValueError(f"zero_optimization.offload_optimizer steps Adam or AdamW on the CPU (ds_ops' CPU Adam); "
+                             f"got {type(self.optimizer).__name__}: use torch.optim.Adam/AdamW (without amsgrad or "
+                             "maximize) or ds_ops.CPUAdam")
+
+    def _fill_master(self, params: list[nn.Parameter]) -> None:
+        """The master copy from the parameters as given (float32 ones keep their precision)."""
+        if self.stage == 0:
+            for p, slot in zip(params, self.layout.slots, strict=True):
+                self._master[slot.offset:slot.offset + slot.numel].copy_(p.detach().reshape(-1))
+            return
+        for piece in self.layout.pieces(self.rank):
+            source = params[piece.index].detach().reshape(-1)[piece.param_offset:piece.param_offset + piece.numel]
+            self._master[piece.partition_offset:piece.partition_offset + piece.numel].copy_(source)
+
+    def _make_reduction_buffers(self) -> None:
+        """Stage 2 reduces from bucket buffers (two: one fills while the other's reduce-scatter is in
+        flight, one if there is one bucket); stages 0-1 need them only to reduce in another dtype
+        (bf16 gradients summed in float32). Received buffers take a reduce-scatter's output when it
+        cannot land in the gradient partition directly (accumulation, another dtype)."""
+        buckets, comm = self.layout.buckets, self.communication_data_type
+        staged = self.stage == 2 or comm != self.dtype
+        count = min(2, len(buckets)) if staged else 0
+        self._bucket_buffers = [torch.zeros(max(b.padded for b in buckets), dtype=comm) for _ in range(count)]
+        self._buffer_work: list[Any] = [None] * count
+        self._next_buffer = 0
+        received = staged and self.stage > 0 and (comm != self.dtype or self.gradient_accumulation_steps > 1)
+        shard = max(b.shard for b in buckets) if received else 0
+        self._received = [torch.zeros(shard, dtype=comm) for _ in range(count)] if received else []
 
     def _shard(self, bucket) -> tuple[int, int]:
         return self.layout.shard_range(bucket, self.rank)
@@ -285,7 +424,7 @@ class ZeroOptimizer:
         left = [b for b in range(len(self.layout.buckets)) if not self._reduced[b]]
         if left and not self.config.ignore_unused_parameters:
             unused = sorted(i for b in left for i in self.layout.buckets[b].slots if i not in self._fired)
-            names = ", ".join(_name(self.model, self._params[i]) for i in unused[:5])
+            names = ", ".join(param_name(self.model, self._params[i]) for i in unused[:5])
             raise RuntimeError(f"ZeroOptimizer: no gradient in this backward for {names}"
                                f"{f' and {len(unused) - 5} more' if len(unused) > 5 else ''} "
                                "(zero_optimization.ignore_unused_parameters is false)")
@@ -298,75 +437,94 @@ class ZeroOptimizer:
         return self.stage == 2 or self.is_gradient_accumulation_boundary
 
     def _reduce(self, b: int) -> None:
+        """Start bucket ``b``'s reduction: gradients × 1/world_size (DDP's arithmetic), summed by an
+        all-reduce (stage 0) or a reduce-scatter into this rank's shard (stages 1-2). In place at
+        stages 0-1 when the reduction dtype is the gradients'; else through a staging buffer."""
         if not self._reduces_now():
             return
         self._reduced[b] = True
         bucket = self.layout.buckets[b]
         scale = 1.0 / self.world_size
+        mine = self._step_grads[b]  # this rank's reduced gradients of the bucket end up here
         if self.stage < 2:
             grads = self._grads[bucket.offset:bucket.offset + bucket.padded]
-            grads.mul_(scale)  # DDP: bucket = grad * (1 / world_size), then a sum
-            if self.stage == 0:
-                work = ds_comm.all_reduce(grads, group=self.group, async_op=True)
-            else:  # stage 1 needs only its shard: reduce-scatter in place (half all-reduce's traffic)
-                work = ds_comm.reduce_scatter_bucket(grads, self._step_params[b].grad, group=self.group,
-                                                     async_op=True)
-            self._work.append((b, work))
+            if not self._bucket_buffers:
+                grads.mul_(scale)
+                if self.stage == 0:
+                    work = ds_comm.all_reduce(grads, group=self.group, async_op=True)
+                else:  # stage 1 needs only its shard: reduce-scatter in place (half all-reduce's traffic)
+                    work = ds_comm.reduce_scatter_bucket(grads, mine, group=self.group, async_op=True)
+                self._work.append((work, None))
+                return
+            which, buffer = self._staging_buffer(bucket.padded)
+            torch.mul(grads, scale, out=buffer)
+        else:
+            which, buffer = self._staging_buffer(bucket.padded)
+            for index in bucket.slots:
+                slot, param = self.layout.slots[index], self._params[index]
+                target = buffer[slot.offset - bucket.offset:][:slot.numel]
+                if param.grad is None or index not in self._fired:
+                    target.zero_()
+                else:
+                    torch.mul(param.grad.reshape(-1), scale, out=target)  # DDP's mul_out into its bucket
+                param.grad = None  # the full-size gradient is not needed any more
+            if bucket.padded > bucket.numel:
+                buffer[bucket.numel:].zero_()
+        if self.stage == 0:
+            work = ds_comm.all_reduce(buffer, group=self.group, async_op=True)
+            self._buffer_work[which] = (work, lambda: grads.copy_(buffer))
             return
+        # The first micro-step of an accumulation writes the shard directly when the dtypes agree;
+        # otherwise the reduce-scatter lands in a received buffer, then is copied or added.
+        first = self.stage == 1 or self._micro_step % self.gradient_accumulation_steps == 0
+        if first and mine.dtype == buffer.dtype:
+            work = ds_comm.reduce_scatter_bucket(buffer, mine, group=self.group, async_op=True)
+            self._buffer_work[which] = (work, None)
+            return
+        received = self._received[which][:bucket.shard]
+        work = ds_comm.reduce_scatter_bucket(buffer, received, group=self.group, async_op=True)
+        self._buffer_work[which] = (work, (lambda: mine.copy_(received)) if first else (lambda: mine.add_(received)))
+
+    def _staging_buffer(self, length: int) -> tuple[int, torch.Tensor]:
+        """The next bucket buffer (waiting for the reduction that still uses it, if any)."""
         which = self._next_buffer
         self._next_buffer = (which + 1) % len(self._bucket_buffers)
         if self._buffer_work[which] is not None:
-            self._finish(*self._buffer_work[which])
+            _complete(*self._buffer_work[which])
             self._buffer_work[which] = None
-        buffer = self._bucket_buffers[which][:bucket.padded]
-        for index in bucket.slots:
-            slot, param = self.layout.slots[index], self._params[index]
-            target = buffer[slot.offset - bucket.offset:][:slot.numel]
-            if param.grad is None or index not in self._fired:
-                target.zero_()
-            else:
-                torch.mul(param.grad.reshape(-1), scale, out=target)  # DDP's mul_out into its bucket
-            param.grad = None  # the full-size gradient is not needed any more
-        if bucket.padded > bucket.numel:
-            buffer[bucket.numel:].zero_()
-        # The first micro-step of an accumulation writes the partition directly; later ones add.
-        first = self._micro_step % self.gradient_accumulation_steps == 0
-        output = self._step_params[b].grad if first else self._received[which][:bucket.shard]
-        work = ds_comm.reduce_scatter_bucket(buffer, output, group=self.group, async_op=True)
-        self._buffer_work[which] = (b, work, not first, which)
-
-    def _finish(self, b: int, work: Any, add: bool, which: int) -> None:
-        """Stage 2: wait for bucket ``b``'s reduce-scatter; add it to the partition if it did not
-        write there directly."""
-        work.wait()
-        if add:
-            self._step_params[b].grad.add_(self._received[which][:self.layout.buckets[b].shard])
+        return which, self._bucket_buffers[which][:length]
 
     def _wait_reductions(self) -> None:
         if not self._boundary_reduced:  # a backward in which no hook ran (no parameter got a gradient)
             self._reduce_leftovers()
         self._boundary_reduced = False
-        for _, work in self._work:
-            work.wait()
+        for pending in self._work:
+            _complete(*pending)
         self._work.clear()
-        if self.stage == 2:
-            for which in range(len(self._buffer_work)):
-                if self._buffer_work[which] is not None:
-                    self._finish(*self._buffer_work[which])
-                    self._buffer_work[which] = None
+        for which, pending in enumerate(self._buffer_work):
+            if pending is not None:
+                _complete(*pending)
+                self._buffer_work[which] = None
 
     def _grad_norm(self) -> torch.Tensor:
         """The global L2 norm as torch.nn.utils.clip_grad_norm_ computes it: the norm of the
-        per-parameter norms. Stage 0 holds every reduced gradient, so this is local and bitwise
-        torch's; at stages 1-2 each parameter's sum of squares is gathered from its pieces first."""
+        per-parameter norms (in float32 whatever the gradients' dtype; inf or nan when a gradient
+        overflowed). Stage 0 holds every reduced gradient, so this is local and bitwise torch's; at
+        stages 1-2 each parameter's sum of squares is gathered from its pieces first."""
         if self.stage == 0:
-            norms = torch._foreach_norm([p.grad for p in self._params])
+            if self.dtype == torch.float32:
+                norms = torch._foreach_norm([p.grad for p in self._params])
+            else:
+                norms = [torch.linalg.vector_norm(p.grad, dtype=torch.float32) for p in self._params]
             return torch.linalg.vector_norm(torch.stack(norms))
         squares = torch.zeros(len(self._params), dtype=torch.float32)
         for piece in self._pieces:
-            shard = self._step_params[piece.bucket].grad
+            shard = self._step_grads[piece.bucket]
             part = shard[piece.partition_offset - self._shard_starts[piece.bucket]:][:piece.numel]
-            squares[piece.index] += torch.dot(part, part)
+            if part.dtype == torch.float32:
+                squares[piece.index] += torch.dot(part, part)
+            else:
+                squares[piece.index] += torch.linalg.vector_norm(part, dtype=torch.float32).square()
         ds_comm.all_reduce(squares, group=self.group)
         return torch.linalg.vector_norm(squares.sqrt())
 
@@ -378,58 +536,8 @@ class ZeroOptimizer:
         for work in works:
             work.wait()
 
-def _version() -> str:
-    from . import __version__
 
-    return __version__
-
-
-def _trainable(model: nn.Module) -> list[nn.Parameter]:
-    seen, params = set(), []
-    for p in model.parameters():
-        if p.requires_grad and id(p) not in seen:
-            seen.add(id(p))
-            params.append(p)
-    if not params:
-        raise ValueError("ZeroOptimizer: the model has no parameter that requires a gradient")
-    return params
-
-
-def _name(model: nn.Module, param: torch.Tensor) -> str:
-    return next((name for name, p in model.named_parameters() if p is param), f"<parameter {tuple(param.shape)}>")
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
-def _check_same_model(model: nn.Module, params: list[nn.Parameter], group: Any, world_size: int) -> None:
-    """Every rank must lay out the same parameters: compare a fingerprint of their names, shapes and
-    dtypes (one small all-gather) and name the first difference on every rank, instead of hanging in
-    a collective of mismatched sizes later."""
-    names = {id(p): name for name, p in model.named_parameters()}
-    described = [(names.get(id(p), "?"), tuple(p.shape), str(p.dtype)) for p in params]
-    digest = hashlib.sha256(repr(described).encode()).digest()[:8]
-    mine = torch.tensor([int.from_bytes(digest, "little", signed=True)], dtype=torch.int64)
-    everyone = torch.zeros(world_size, dtype=torch.int64)
-    ds_comm.all_gather_into_tensor(everyone, mine, group=group)
-    if bool((everyone == everyone[0]).all()):
-        return
-    lists: list[Any] = [None] * world_size
-    torch.distributed.all_gather_object(lists, described, group=group)
-    for rank, other in enumerate(lists):
-        if other != lists[0]:
-            first = next((i for i, (a, b) in enumerate(zip(lists[0], other, strict=False)) if a != b),
-                         min(len(lists[0]), len(other)))
-            theirs = other[first] if first < len(other) else "nothing"
-            ours = lists[0][first] if first < len(lists[0]) else "nothing"
-            raise ValueError(f"ZeroOptimizer: the ranks' models differ: parameter {first} is {ours} on rank 0 "
-                             f"and {theirs} on rank {rank} ({len(lists[0])} vs {len(other)} trainable parameters)")
-
-
-def _broadcast_from_first_rank(model: nn.Module, group: Any) -> None:
-    """Start from rank 0's parameters and buffers, as DDP does."""
-    source = ds_comm.get_global_rank(group, 0) if group is not None else 0
-    for tensor in [*model.parameters(), *model.buffers()]:
-        ds_comm.broadcast(tensor.data, src=source, group=group)
+def _complete(work: Any, then: Callable | None) -> None:
+    work.wait()
+    if then is not None:
+        then()

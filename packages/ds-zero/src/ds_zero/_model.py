@@ -1,0 +1,68 @@
+"""Checks and small helpers about the model that `ZeroOptimizer` wraps."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import torch
+from torch import nn
+
+import ds_comm
+
+
+def version() -> str:
+    from . import __version__
+
+    return __version__
+
+
+def trainable(model: nn.Module) -> list[nn.Parameter]:
+    seen, params = set(), []
+    for p in model.parameters():
+        if p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            params.append(p)
+    if not params:
+        raise ValueError("ZeroOptimizer: the model has no parameter that requires a gradient")
+    return params
+
+
+def param_name(model: nn.Module, param: torch.Tensor) -> str:
+    return next((name for name, p in model.named_parameters() if p is param), f"<parameter {tuple(param.shape)}>")
+
+
+def short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def check_same_model(model: nn.Module, params: list[nn.Parameter], group: Any, world_size: int) -> None:
+    """Every rank must lay out the same parameters: compare a fingerprint of their names, shapes and
+    dtypes (one small all-gather) and name the first difference on every rank, instead of hanging in
+    a collective of mismatched sizes later."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    described = [(names.get(id(p), "?"), tuple(p.shape), str(p.dtype)) for p in params]
+    digest = hashlib.sha256(repr(described).encode()).digest()[:8]
+    mine = torch.tensor([int.from_bytes(digest, "little", signed=True)], dtype=torch.int64)
+    everyone = torch.zeros(world_size, dtype=torch.int64)
+    ds_comm.all_gather_into_tensor(everyone, mine, group=group)
+    if bool((everyone == everyone[0]).all()):
+        return
+    lists: list[Any] = [None] * world_size
+    torch.distributed.all_gather_object(lists, described, group=group)
+    for rank, other in enumerate(lists):
+        if other != lists[0]:
+            first = next((i for i, (a, b) in enumerate(zip(lists[0], other, strict=False)) if a != b),
+                         min(len(lists[0]), len(other)))
+            theirs = other[first] if first < len(other) else "nothing"
+            ours = lists[0][first] if first < len(lists[0]) else "nothing"
+            raise ValueError(f"ZeroOptimizer: the ranks' models differ: parameter {first} is {ours} on rank 0 "
+                             f"and {theirs} on rank {rank} ({len(lists[0])} vs {len(other)} trainable parameters)")
+
+
+def broadcast_from_first_rank(model: nn.Module, group: Any) -> None:
+    """Start from rank 0's parameters and buffers, as DDP does."""
+    source = ds_comm.get_global_rank(group, 0) if group is not None else 0
+    for tensor in [*model.parameters(), *model.buffers()]:
+        ds_comm.broadcast(tensor.data, src=source, group=group)
