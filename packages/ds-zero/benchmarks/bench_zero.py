@@ -6,10 +6,11 @@ thread on gloo, AdamW. Each configuration runs in fresh rank processes (so peak 
 time per step is the median of steps 3..N. Prints time per step, the ratio to DDP, model-state
 bytes and peak RSS per rank; ``--json PATH`` writes the same figures.
 
-    python benchmarks/bench_zero.py [--steps 20] [--gas 1 4] [--rounds 1] [--json out.json]
+    python benchmarks/bench_zero.py [--steps 20] [--gas 1 4] [--precision fp32 bf16] [--rounds 1] [--json out.json]
 
-ds-zero runs float32 only in this version: the bf16 rows and stage 2 + CPU offload come with mixed
-precision and ZeRO-Offload (the script says so instead of printing them).
+bf16: DDP runs the float32 model under ``torch.autocast("cpu", torch.bfloat16)`` (what a PyTorch user
+would do); ds-zero runs the model in bfloat16 with a float32 master copy (``bf16.enabled``), as
+DeepSpeed does. ``zero-2-offload`` is stage 2 with ``offload_optimizer.device: cpu``.
 """
 
 from __future__ import annotations
@@ -70,11 +71,12 @@ def _state_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t) and t.dim() > 0)
 
 
-def run(rank: int, world_size: int, kind: str, gas: int, steps: int, bucket: int | None) -> dict:
+def run(rank: int, world_size: int, kind: str, gas: int, steps: int, bucket: int | None, precision: str) -> dict:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = GPT()
     adamw = {"lr": 1e-4, "weight_decay": 0.01}
+    bf16 = precision == "bf16"
     if kind == "ddp" or kind == "torch-zero1":
         ddp = nn.parallel.DistributedDataParallel(model)
         if kind == "ddp":
@@ -88,7 +90,9 @@ def run(rank: int, world_size: int, kind: str, gas: int, steps: int, bucket: int
             for micro in range(gas):
                 context = ddp.no_sync() if micro < gas - 1 else torch.enable_grad()
                 with context:
-                    (ddp(_tokens(step, micro, rank)) / gas).backward()
+                    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                        loss = ddp(_tokens(step, micro, rank)) / gas
+                    loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=False)
 
@@ -98,10 +102,12 @@ def run(rank: int, world_size: int, kind: str, gas: int, steps: int, bucket: int
                 [t for s in optimizer.state.values() for t in s.values()]
             return _state_bytes(params) + _state_bytes(p.grad for p in params) + _state_bytes(states)
     else:
-        stage = int(kind.removeprefix("zero-"))
+        stage = int(kind.removeprefix("zero-").removesuffix("-offload"))
         config = {"stage": stage} if bucket is None else {"stage": stage, "reduce_bucket_size": bucket}
+        if kind.endswith("-offload"):
+            config["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
         zero = ZeroOptimizer(model, torch.optim.AdamW, optimizer_kwargs=adamw, config=config,
-                             gradient_accumulation_steps=gas)
+                             gradient_accumulation_steps=gas, bf16={"enabled": bf16})
 
         def train_step(step):
             for micro in range(gas):
@@ -122,50 +128,73 @@ def run(rank: int, world_size: int, kind: str, gas: int, steps: int, bucket: int
             "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 
-KINDS = ["ddp", "torch-zero1", "zero-0", "zero-1", "zero-2"]
+KINDS = ["ddp", "torch-zero1", "zero-0", "zero-1", "zero-2", "zero-2-offload"]
+
+
+def bf16_matmul_slowdown() -> float:
+    """How much slower a bfloat16 matmul of the workload's shape runs than a float32 one on one
+    thread: about 0.5-1x on CPUs with native bf16 (AVX512-BF16, AMX); on AVX2-only CPUs torch
+    falls back to a scalar kernel, over 100x slower, and no bf16 training is worth timing there."""
+    torch.set_num_threads(1)
+    seconds = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        a, b = torch.randn(256, 512, dtype=dtype), torch.randn(512, 512, dtype=dtype)
+        a @ b
+        start = time.perf_counter()
+        a @ b
+        seconds[dtype] = time.perf_counter() - start
+    return seconds[torch.bfloat16] / seconds[torch.float32]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--gas", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--precision", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
     parser.add_argument("--rounds", type=int, default=1, help="interleaved rounds over the configurations")
     parser.add_argument("--kinds", nargs="+", default=KINDS, choices=KINDS)
     parser.add_argument("--bucket", type=float, default=None, help="ds-zero's reduce_bucket_size (elements; "
                         "default: DeepSpeed's 5e8, one bucket for this model)")
     parser.add_argument("--json", help="write the figures here too")
+    parser.add_argument("--force-bf16", action="store_true", help="time bf16 even where bf16 matmuls are emulated")
     args = parser.parse_args()
     if args.steps < 4:
         parser.error("--steps must be >= 4 (steps 3.. are timed)")
+    slowdown = bf16_matmul_slowdown()
+    if "bf16" in args.precision and slowdown > 8 and not args.force_bf16:
+        print(f"bf16 rows skipped: a bf16 matmul runs {slowdown:.0f}x slower than float32 on this CPU (no native "
+              "bf16: torch emulates it), so both DDP under autocast and ds-zero would time the emulation; "
+              "--force-bf16 times them anyway", flush=True)
+        args.precision = [p for p in args.precision if p != "bf16"]
     psi = sum(p.numel() for p in GPT().parameters())
-    print(f"GPT {psi / 1e6:.1f}M parameters, micro-batch {MICRO_BATCH}x{SEQ}, 2 ranks x 1 thread, gloo, float32, "
+    print(f"GPT {psi / 1e6:.1f}M parameters, micro-batch {MICRO_BATCH}x{SEQ}, 2 ranks x 1 thread, gloo, "
           f"AdamW; {args.steps} steps, median of steps 3..{args.steps}, {args.rounds} round(s); ds-zero "
           f"reduce_bucket_size {'5e8 (default)' if args.bucket is None else f'{args.bucket:g}'}", flush=True)
     rows = []
-    for gas in args.gas:
-        medians: dict[str, list[float]] = {k: [] for k in args.kinds}
-        extra: dict[str, dict] = {}
-        for _ in range(args.rounds):
-            for kind in args.kinds:  # interleaved: each round runs every configuration once
-                bucket = None if args.bucket is None else int(args.bucket)
-                results = spawn(run, world_size=2, args=(kind, gas, args.steps, bucket), timeout=3600)
-                per_step = [max(r["times"][i] for r in results) for i in range(args.steps)]
-                medians[kind].append(statistics.median(per_step[2:]))
-                extra[kind] = {"state_bytes": max(r["state_bytes"] for r in results),
-                               "peak_rss": max(r["peak_rss"] for r in results)}
-                print(f"  gas {gas} {kind:<12} {medians[kind][-1]:.3f} s/step", flush=True)
-        base = statistics.median(medians["ddp"]) if "ddp" in medians else None
-        for kind in args.kinds:
-            seconds = statistics.median(medians[kind])
-            rows.append({"gas": gas, "kind": kind, "s_per_step": seconds,
-                         "ratio_to_ddp": seconds / base if base else None, **extra[kind]})
-    print(f"\n{'gas':>3} {'config':<12} {'s/step':>8} {'vs DDP':>7} {'state MiB/rank':>15} {'B/param':>8} "
+    for precision in args.precision:
+        for gas in args.gas:
+            medians: dict[str, list[float]] = {k: [] for k in args.kinds}
+            extra: dict[str, dict] = {}
+            for _ in range(args.rounds):
+                for kind in args.kinds:  # interleaved: each round runs every configuration once
+                    bucket = None if args.bucket is None else int(args.bucket)
+                    results = spawn(run, world_size=2, args=(kind, gas, args.steps, bucket, precision), timeout=3600)
+                    per_step = [max(r["times"][i] for r in results) for i in range(args.steps)]
+                    medians[kind].append(statistics.median(per_step[2:]))
+                    extra[kind] = {"state_bytes": max(r["state_bytes"] for r in results),
+                                   "peak_rss": max(r["peak_rss"] for r in results)}
+                    print(f"  {precision} gas {gas} {kind:<14} {medians[kind][-1]:.3f} s/step", flush=True)
+            base = statistics.median(medians["ddp"]) if "ddp" in medians else None
+            for kind in args.kinds:
+                seconds = statistics.median(medians[kind])
+                rows.append({"precision": precision, "gas": gas, "kind": kind, "s_per_step": seconds,
+                             "ratio_to_ddp": seconds / base if base else None, **extra[kind]})
+    print(f"\n{'prec':<5} {'gas':>3} {'config':<14} {'s/step':>8} {'vs DDP':>7} {'state MiB/rank':>15} {'B/param':>8} "
           f"{'peak RSS MiB/rank':>18}")
     for row in rows:
         ratio = f"{row['ratio_to_ddp']:.3f}x" if row["ratio_to_ddp"] else "-"
-        print(f"{row['gas']:>3} {row['kind']:<12} {row['s_per_step']:>8.3f} {ratio:>7} "
+        print(f"{row['precision']:<5} {row['gas']:>3} {row['kind']:<14} {row['s_per_step']:>8.3f} {ratio:>7} "
               f"{row['state_bytes'] / 2**20:>15.1f} {row['state_bytes'] / psi:>8.2f} {row['peak_rss'] / 2**20:>18.0f}")
-    print("\nnot measured in this version: bf16 rows and stage 2 + CPU offload (ds-zero trains float32 only)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"parameters": psi, "steps": args.steps, "rounds": args.rounds, "rows": rows}, f, indent=2)
