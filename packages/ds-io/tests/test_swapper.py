@@ -250,6 +250,48 @@ def test_a_whole_write_may_replace_a_key_being_read(gated):
     assert tensor_bytes(again.wait()[0]) == tensor_bytes(new)
 
 
+def test_rewrites_reuse_the_previous_versions_file(tmp_path):
+    # a whole write exchanges the old version to the temporary name and the next one writes into
+    # it: no blocks freed (trimmed, with online discard) and allocated anew on every swap_out
+    with TensorSwapper(tmp_path, {"block_size": 65536}) as swapper:
+        inodes = []
+        for k in range(4):
+            swapper.swap_out([random_bytes(100_000 - 1000 * k, k)], keys=["k"]).wait()
+            inodes.append(os.stat(swapper.path_of("k")).st_ino)
+            assert tensor_bytes(swapper.swap_in(["k"]).wait()[0]) == tensor_bytes(random_bytes(100_000 - 1000 * k, k))
+        assert inodes[2] == inodes[0] and inodes[3] == inodes[1] != inodes[0]
+        assert len(os.listdir(tmp_path)) == 2  # the key and its spare
+        swapper.swap_out([random_bytes(10, 9)], keys=["j"]).wait()
+        swapper.swap_out([random_bytes(10, 8)], keys=["j"]).wait()
+        swapper.release(["k"])
+        assert len(os.listdir(tmp_path)) == 2  # j and its spare: k's spare went with it
+    assert os.listdir(tmp_path) == [swapper.path_of("j").name]  # close removes the spares
+
+
+def test_a_rewrite_never_writes_into_a_file_an_unfinished_read_may_hold(gated):
+    swapper, gate = gated
+    for k in range(2):
+        swapper.swap_out([random_bytes(8192, k)], keys=["k"])
+        gate.release()
+        swapper.wait()
+    spare = {p.name for p in swapper.path_of("k").parent.iterdir()} - {swapper.path_of("k").name}
+    assert len(spare) == 1
+    read = swapper.swap_in(["k"])
+    write = swapper.swap_out([random_bytes(8192, 2)], keys=["k"])
+    assert os.path.basename(gate.pending[-1].args[2]) not in spare  # a fresh name, not the spare
+    gate.release()
+    assert tensor_bytes(read.wait()[0]) == tensor_bytes(random_bytes(8192, 1))
+    write.wait()
+    assert {p.name for p in swapper.path_of("k").parent.iterdir()} - {swapper.path_of("k").name} == spare
+    swapper.swap_out([random_bytes(8192, 3)], keys=["k"])
+    assert os.path.basename(gate.pending[-1].args[2]) in spare  # nothing reads: the spare again
+    gate.release()
+    swapper.wait()
+    again = swapper.swap_in(["k"])
+    gate.release()
+    assert tensor_bytes(again.wait()[0]) == tensor_bytes(random_bytes(8192, 3))
+
+
 def test_failed_write_keeps_the_old_file(tmp_path):
     old = torch.arange(1000, dtype=torch.float32)
     with TensorSwapper(tmp_path, {"block_size": 65536}) as swapper:

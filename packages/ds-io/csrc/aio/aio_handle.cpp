@@ -4,7 +4,9 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <stdio.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -33,6 +35,18 @@ std::string describe(const Operation& op, int64_t begin, int64_t length) {
   return std::string(op.write ? "write of " : "read of ") + std::to_string(length) + " bytes " +
          (op.write ? "to '" : "from '") + op.path + "' at file offset " + std::to_string(op.file_offset + begin) +
          " (operation: " + std::to_string(op.nbytes) + " bytes at offset " + std::to_string(op.file_offset) + ")";
+}
+
+// Gives `from` the name `to` atomically. A file already named `to` is not removed: it takes the
+// name `from` (renameat2 RENAME_EXCHANGE), so that its blocks can be written again instead of
+// being freed (and, on a filesystem mounted with online discard, trimmed) and allocated anew.
+// Plain rename() where there is no such file or the filesystem cannot exchange. False: errno set.
+bool swap_names(const std::string& from, const std::string& to) {
+#if defined(SYS_renameat2) && defined(RENAME_EXCHANGE)
+  if (::syscall(SYS_renameat2, AT_FDCWD, from.c_str(), AT_FDCWD, to.c_str(), RENAME_EXCHANGE) == 0) return true;
+  if (errno != ENOENT && errno != EINVAL && errno != ENOSYS && errno != EOPNOTSUPP) return false;
+#endif
+  return ::rename(from.c_str(), to.c_str()) == 0;
 }
 
 std::string errno_text(int err) { return std::string(std::strerror(err)) + " (errno " + std::to_string(err) + ")"; }
@@ -399,7 +413,7 @@ void AioHandle::finish(const std::shared_ptr<Operation>& op) {
       op->fail(describe(*op, 0, op->nbytes) + ": close failed: " + errno_text(errno));
     *fd = -1;
   }
-  if (!op->rename_to.empty() && !op->failed() && ::rename(op->path.c_str(), op->rename_to.c_str()) != 0)
+  if (!op->rename_to.empty() && !op->failed() && !swap_names(op->path, op->rename_to))
     op->fail(describe(*op, 0, op->nbytes) + ": renaming it to '" + op->rename_to + "' failed: " + errno_text(errno));
   if (op->track) {
     std::lock_guard<std::mutex> lock(mutex_);

@@ -19,7 +19,9 @@
 //
 // Every operation is an `Operation` the caller may hold and wait for on its own (`done()`,
 // `wait()`); a whole-file write may name `rename_to`, the final name the file gets once all its
-// bytes are written (never when the write fails).
+// bytes are written (never when the write fails). A file that had that name is not removed but
+// takes the written file's old name (an atomic exchange where the filesystem allows it; removed
+// by a plain rename where not): the caller reuses its blocks for the next write or removes it.
 #pragma once
 
 #include <atomic>
@@ -49,7 +51,7 @@ struct Operation {
   uintptr_t ptr = 0;
   int64_t nbytes = 0;
   std::string path;
-  std::string rename_to;   // a write: the name the file gets once all its bytes are written
+  std::string rename_to;   // a write: the name the file gets once written (the old one's: path)
   int64_t file_offset = 0;
   bool want_direct = false;  // O_DIRECT asked for (where alignment allows)
   bool direct = false;     // the body [0, tail_begin) moves through fd_direct

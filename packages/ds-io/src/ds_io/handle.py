@@ -269,7 +269,9 @@ class AsyncIOHandle:
         a worker reaches it (queued operations hold no file descriptors), so errors, opening ones
         included, come from its ``wait()``. The caller keeps ``tensor`` alive until it is done.
         ``rename_to``: a write's file takes this name once all its bytes are written (never when
-        it fails)."""
+        it fails); a file that had that name takes ``path`` instead of being removed (an atomic
+        exchange; a plain rename where the filesystem cannot exchange), for the caller to write
+        into again or remove."""
         verb = "pwrite" if write else "pread"
         path, nbytes = self._check_io(verb, write, tensor, path, file_offset)
         if tensor.device.type != "cpu":

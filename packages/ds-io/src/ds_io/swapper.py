@@ -26,7 +26,15 @@ itself are aligned.
 
 Crash safety: a whole-key write (``offset=None``) goes to a temporary name that is renamed into
 place by the I/O thread once all its bytes are written, so a failed or interrupted write never
-leaves a half-written file under the key's name (the previous contents, if any, stay). A write
+leaves a half-written file under the key's name (the previous contents, if any, stay). The
+previous version is not deleted: it is exchanged to the temporary name (renameat2
+RENAME_EXCHANGE) and the key's next whole write goes into it, overwriting blocks already
+allocated. Deleting it and writing a new file instead frees and allocates the key's size on every
+swap_out, and on a filesystem mounted with ``discard`` (online TRIM) every freed block is also
+trimmed: the device did a discard as large as each write, which doubled the I/O time and made
+overlapped I/O slower than blocking I/O (benchmarks/bench_swap_overlap.py). The cost: a key
+written whole more than once takes twice its size on disk until ``release`` (or ``close``). A
+write
 at an ``offset`` updates the key's file in place: a failure or a crash can leave that byte range
 partly written (the rest of the file is untouched); it never changes the file's size.
 
@@ -141,6 +149,7 @@ class TensorSwapper:
         self._entries: dict[Any, _Entry] = {}
         self._spans: dict[Any, list[_Span]] = {}
         self._requests: list[SwapRequest] = []  # not finished, or finished with errors nobody saw
+        self._temp_count = 0
 
     # ---- public API ---------------------------------------------------------------------------------
     def swap_out(self, tensors: Sequence[torch.Tensor], *, keys: Sequence[Any],
@@ -240,6 +249,7 @@ class TensorSwapper:
         for key in keys:
             entry = self._entries.pop(key)
             entry.path.unlink(missing_ok=True)
+            _spare(entry.path).unlink(missing_ok=True)
 
     def keys(self) -> list[Any]:
         return list(self._entries)
@@ -248,12 +258,14 @@ class TensorSwapper:
         return self._entry(key, "path_of").path
 
     def close(self) -> None:
-        """Finish pending transfers (raising their errors) and stop the handle (files stay;
-        ``release`` removes them)."""
+        """Finish pending transfers (raising their errors) and stop the handle (the keys' files
+        stay, ``release`` removes them; their spare files, previous versions, are removed)."""
         try:
             self.wait()
         finally:
             self._handle.close()
+            for entry in self._entries.values():
+                _spare(entry.path).unlink(missing_ok=True)
 
     def __enter__(self) -> TensorSwapper:
         return self
@@ -293,7 +305,11 @@ class TensorSwapper:
     def _start_whole_write(self, request: SwapRequest, tensor: torch.Tensor, key: Any, nbytes: int) -> None:
         path = self._file_for(key)
         entry = _Entry(tuple(tensor.shape), tensor.dtype, nbytes, path)
-        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+        # The spare (the key's previous version, exchanged out by the last whole write) is written
+        # into again unless a read of the key is unfinished: that read may hold it open.
+        reuse = not self._spans.get(key)
+        self._temp_count += 1
+        tmp = _spare(path) if reuse else path.with_name(f"{path.name}.tmp{os.getpid()}.{self._temp_count}")
         if nbytes == 0:
             tmp.write_bytes(b"")
             os.replace(tmp, path)
@@ -301,8 +317,10 @@ class TensorSwapper:
             return
 
         def on_end(ok: bool) -> None:
-            if ok:  # the I/O thread renamed tmp to path
+            if ok:  # the I/O thread renamed tmp to path (the old version, if any, is now tmp)
                 self._entries[key] = entry
+                if not reuse:
+                    tmp.unlink(missing_ok=True)  # the spare stays what it was
             else:
                 tmp.unlink(missing_ok=True)
                 request._errors.append(f"key {key!r} was not swapped out (its file '{path}' is unchanged)")
@@ -354,6 +372,11 @@ class TensorSwapper:
                 self._requests.remove(request)
             else:
                 request.done()
+
+
+def _spare(path: Path) -> Path:
+    """Where a key's previous version is kept, and its next whole write goes."""
+    return path.with_name(f"{path.name}.tmp{os.getpid()}")
 
 
 def _hashable(key: Any) -> Any:
