@@ -175,8 +175,10 @@ def main() -> None:
         for gas in args.gas:
             medians: dict[str, list[float]] = {k: [] for k in args.kinds}
             extra: dict[str, dict] = {}
-            for _ in range(args.rounds):
-                for kind in args.kinds:  # interleaved: each round runs every configuration once
+            for r in range(args.rounds):
+                # interleaved: each round runs every configuration once, starting one further along
+                # (this machine drifts within minutes, so no configuration always runs first or last)
+                for kind in args.kinds[r % len(args.kinds):] + args.kinds[:r % len(args.kinds)]:
                     bucket = None if args.bucket is None else int(args.bucket)
                     results = spawn(run, world_size=2, args=(kind, gas, args.steps, bucket, precision), timeout=3600)
                     per_step = [max(r["times"][i] for r in results) for i in range(args.steps)]
