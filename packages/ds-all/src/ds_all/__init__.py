@@ -6,7 +6,20 @@
 """
 
 from ._parts import PARTS, versions
+from ._scheduler_config import SchedulerConfig, build_scheduler
+from .lr_schedules import LRRangeTest, OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR
 
 __version__ = "0.1.0"
 
-__all__ = ["PARTS", "__version__", "versions"]
+__all__ = [
+    "PARTS",
+    "LRRangeTest",
+    "OneCycle",
+    "SchedulerConfig",
+    "WarmupCosineLR",
+    "WarmupDecayLR",
+    "WarmupLR",
+    "__version__",
+    "build_scheduler",
+    "versions",
+]
