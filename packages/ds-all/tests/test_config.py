@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from ds_config import ConfigError
 
-from ds_all.config import Config
+from ds_all import Config, WarmupLR, build_scheduler
 from ds_zero import ZeroConfig
 
 CONFIGS = sorted((Path(__file__).parent / "fixtures" / "deepspeed_configs").glob("*.json"))
@@ -106,6 +106,7 @@ def test_auto_is_resolved_only_from_what_the_caller_gives():
     ({"checkpoint": {"tag_validation": "Sometimes"}}, "checkpoint.tag_validation must be Ignore, Warn or Fail, got "
                                                       "'Sometimes'"),
     ({"communication_data_type": "int8"}, "communication_data_type: must be 'fp32', 'fp16' or 'bf16'"),
+    ({"scheduler": {"type": "WarmupLr"}}, "scheduler.type: unknown schedule 'WarmupLr'; did you mean 'WarmupLR'?"),
 ])
 def test_bad_configs_are_named(raw, message):
     with pytest.raises(ValueError) as error:
@@ -126,3 +127,27 @@ def test_a_config_file_that_is_not_json_names_its_line(tmp_path):
     bad.write_text('{"train_batch_size": 8,\n "fp16": {enabled: true}}')
     with pytest.raises(ValueError, match=r"ds_config.json:2:\d+: not valid JSON"):
         Config.load(bad)
+
+
+def test_the_scheduler_section_keeps_auto_until_resolved_then_builds():
+    import torch
+
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+    config = Config.load({"train_batch_size": 8,
+                          "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": "auto", "warmup_num_steps": 4}}})
+    with pytest.raises(ConfigError, match=r"scheduler\.params\.warmup_max_lr: is 'auto', which a schedule cannot resolve"):
+        build_scheduler(config.scheduler, optimizer)
+    with pytest.raises(ConfigError, match=r'scheduler\.params\.warmup_max_lr: is "auto" and nothing resolved it'):
+        config.resolve(dp_world_size=2)
+    resolved = config.resolve(dp_world_size=2, scheduler__params__warmup_max_lr=0.05)
+    schedule = build_scheduler(resolved.scheduler, optimizer)
+    assert isinstance(schedule, WarmupLR) and resolved.scheduler.params == {"warmup_max_lr": 0.05, "warmup_num_steps": 4}
+
+
+def test_the_readme_config_example_prints_what_it_says(capsys):
+    import re
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = re.findall(r"```python\n(.*?)```", readme.split("## Config", 1)[1], re.S)[0]
+    exec(compile(block, "README.md", "exec", dont_inherit=True), {})
+    assert capsys.readouterr().out == "(32, 4, 4) 2\n"

@@ -33,8 +33,8 @@ class SchedulerConfig(Section):
     type: str | None = Field(None, description="The schedule: WarmupLR, WarmupDecayLR, WarmupCosineLR, "
                                                "OneCycle or LRRangeTest (ds_all.lr_schedules).")
     params: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the schedule's "
-                                   "constructor (the optimizer is passed by the engine); 'auto' must be "
-                                   "resolved before the schedule is built.")
+                                   "constructor (the optimizer is passed by the engine); 'auto' is kept as "
+                                   "written and must be resolved before the schedule is built.")
 
     @field_validator("type")
     @classmethod
@@ -54,16 +54,12 @@ class SchedulerConfig(Section):
             return self
         parameters = _parameters(self.type)
         problems: list[tuple[str, str]] = []
-        for key, value in self.params.items():
+        for key in self.params:
             if key not in parameters:
                 close = difflib.get_close_matches(key, list(parameters), n=1, cutoff=0.6)
                 hint = f"; did you mean {close[0]!r}?" if close else ""
                 problems.append((f"params.{key}", f"unknown parameter {key!r} of {self.type}{hint} "
                                                   f"Allowed: {', '.join(parameters)}"))
-            elif isinstance(value, str) and value == "auto":
-                problems.append((f"params.{key}", "is 'auto', which a schedule cannot resolve: the engine "
-                                                  "resolves 'auto' values before it builds the schedule; "
-                                                  "give a value"))
         for name, parameter in parameters.items():
             if parameter.default is inspect.Parameter.empty and name not in self.params:
                 problems.append((f"params.{name}", f"is required by {self.type}"))
@@ -84,6 +80,10 @@ def build_scheduler(config: Any, optimizer: Any):
     section = SchedulerConfig.from_section_or_ds_config(config)
     if section.type is None:
         return None
+    autos = [key for key, value in section.params.items() if isinstance(value, str) and value == "auto"]
+    if autos:  # kept by the section as written (Config.resolve fills them in), never guessed here
+        raise ConfigError([(f"params.{key}", "is 'auto', which a schedule cannot resolve: resolve it first "
+                                             "(ds_all.Config.resolve) or give a value") for key in autos], "scheduler")
     schedule = SCHEDULES[section.type](optimizer, **section.params)
     logger.debug("built %s(%s)", section.type, section.params)
     return schedule

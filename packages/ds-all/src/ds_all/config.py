@@ -36,6 +36,7 @@ from ._monitor_config import (
     TensorBoardConfig,
     WandbConfig,
 )
+from ._scheduler_config import SchedulerConfig
 
 Auto = Literal["auto"]
 Batch = Annotated[int, Field(gt=0)] | Auto | None
@@ -65,7 +66,8 @@ class Config(Section):
     train_micro_batch_size_per_gpu: Batch = Field(None, description="Samples per forward/backward per rank.")
     gradient_accumulation_steps: Batch = Field(None, description="Micro-steps per optimizer step.")
     optimizer: OptimizerConfig | None = Field(None, description="The optimizer built by initialize().")
-    scheduler: dict[str, Any] | None = Field(None, description="The learning-rate schedule built by initialize().")
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig, description="The learning-rate schedule "
+                                       "built by initialize().")
     gradient_clipping: float = Field(0.0, ge=0.0, description="Maximum global gradient norm (0: off).")
     steps_per_print: int = Field(10, gt=0, description="Print progress every this many optimizer steps.")
     wall_clock_breakdown: bool = Field(False, description="Time forward, backward, step and reductions.")
