@@ -7,6 +7,7 @@ here as the packages below arrive.
     >>> ds_all.Config.load("ds_config.json").resolve(dp_world_size=2)
 """
 
+from ._optimizers import build_optimizer
 from ._parts import PARTS, versions
 from ._scheduler_config import SchedulerConfig, build_scheduler
 from .config import Config
@@ -24,6 +25,7 @@ __all__ = [
     "WarmupDecayLR",
     "WarmupLR",
     "__version__",
+    "build_optimizer",
     "build_scheduler",
     "versions",
 ]
