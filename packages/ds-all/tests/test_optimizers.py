@@ -216,3 +216,13 @@ def test_bad_inputs_raise_value_error_naming_the_key(section, offload, message):
 def test_exported_in_sorted_all():
     assert "build_optimizer" in ds_all.__all__
     assert ds_all.build_optimizer is build_optimizer
+
+
+def test_the_readme_optimizer_example_prints_what_it_says(capsys):
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = re.findall(r"```python\n(.*?)```", readme.split("## Optimizers", 1)[1], re.S)[0]
+    exec(compile(block, "README.md", "exec", dont_inherit=True), {})
+    assert capsys.readouterr().out == "FusedAdam 0.0003\n"
