@@ -1,6 +1,7 @@
 """The one way to build, test and run ds.  ``python3 -m nox --list`` shows every session.
 
-* ``tests``: every package installed editable in one virtualenv, then each package's tests.
+* ``tests``: every package installed editable in one virtualenv, then each package's tests (less
+  those marked ``slow`` of the packages of ``STANDALONE_IN_CI``: their standalone session runs them).
 * ``standalone-<pkg>``: a fresh virtualenv with only that package (not editable), its own tests.
 * ``build``: a wheel of every package into ``.nox/wheelhouse``; ``lint``: ruff;
   ``bench``: every ``packages/*/benchmarks/bench_*.py``; ``demo``: the main job.
@@ -99,8 +100,10 @@ def tests(session: nox.Session) -> None:
     session.install(*TEST_DEPS, "transformers", *(a for p in PACKAGES for a in ("-e", f"packages/{p}")))
     failed = []
     for package in PACKAGES:
+        # a package tested alone in CI (standalone-<pkg>) runs its tests marked slow there, not twice
+        deselect = ["-m", "not slow"] if package in STANDALONE_IN_CI else []
         try:
-            _pytest(session, f"packages/{package}/tests")
+            _pytest(session, f"packages/{package}/tests", *deselect)
         except CommandFailed:
             failed.append(package)
     if failed:

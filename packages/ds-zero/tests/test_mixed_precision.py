@@ -132,6 +132,7 @@ CASES = [(0, 1, 0.0, torch.optim.AdamW, False), (1, 1, 0.0, torch.optim.AdamW, F
          (2, 1, 0.0, ds_ops.CPUAdam, False), (2, 4, 0.05, torch.optim.AdamW, True)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_loss_curve_follows_ddp_with_a_float32_master_copy(precision):
     results = spawn(follow_the_reference, world_size=2, args=(precision, CASES), timeout=300)

@@ -116,6 +116,7 @@ BITWISE = [(0, 1, 0.0, 2000), (1, 1, 0.0, 2000), (2, 1, 0.0, 2000), (0, 4, 0.0, 
            (2, 1, 0.0, 10**9), (0, 1, 0.5, 2000), (0, 4, 0.5, 2000)]
 
 
+@pytest.mark.slow
 def test_stages_0_1_2_are_bitwise_equal_to_ddp():
     results = spawn(compare_with_ddp, world_size=2, args=(BITWISE,), timeout=240)
     for rank_results in results:
@@ -126,6 +127,7 @@ def test_stages_0_1_2_are_bitwise_equal_to_ddp():
 CLOSE = [(1, 1, 0.5, 2000), (1, 4, 0.5, 2000), (2, 1, 0.5, 2000), (2, 4, 0.0, 2000), (2, 4, 0.5, 2000)]
 
 
+@pytest.mark.slow
 def test_clipping_and_stage_2_accumulation_follow_ddp_closely():
     results = spawn(compare_with_ddp, world_size=2, args=(CLOSE,), timeout=240)
     for rank_results in results:
