@@ -1,14 +1,15 @@
 """The one way to build, test and run ds.  ``python3 -m nox --list`` shows every session.
 
-* ``tests``: every package installed editable in one virtualenv, then each package's tests (less
-  those marked ``slow`` of the packages of ``STANDALONE_IN_CI``: their standalone session runs them).
-* ``standalone-<pkg>``: a fresh virtualenv with only that package (not editable), its own tests.
+* ``tests``: every package installed editable in one virtualenv, then each package's tests;
+  ``tests-rest``: the same for the packages not in ``STANDALONE_IN_CI`` (CI runs each test once).
+* ``standalone-<pkg>``: a fresh virtualenv with only that package (not editable, with its ``test``
+  extra where it has one), its own tests.
 * ``build``: a wheel of every package into ``.nox/wheelhouse``; ``lint``: ruff;
   ``bench``: every ``packages/*/benchmarks/bench_*.py``; ``demo``: the main job.
 * ``wheels``: ``build``, then ds-all installed from the wheelhouse into a fresh virtualenv as a
   user would, ``python -m ds_all`` and an import of every part.
 
-The README's test command is ``nox -t ci``: ``tests``, the standalone sessions of
+The README's test command is ``nox -t ci``: ``tests-rest``, the standalone sessions of
 ``STANDALONE_IN_CI``, ``lint``, ``demo`` and ``wheels`` (so that neither README command can break
 unseen); nox's summary gives each session's time. torch is pinned in every install (an unpinned
 torch pulls gigabytes of CUDA wheels).
@@ -74,6 +75,13 @@ def _ensure_system_packages(session: nox.Session, packages: list[str]) -> None:
         session.warn(f"apt-get could not install {', '.join(names)}: tests that need them skip")
 
 
+def _extras(package: str) -> dict[str, list[str]]:
+    import tomllib
+
+    project = tomllib.loads((ROOT / "packages" / package / "pyproject.toml").read_text())["project"]
+    return project.get("optional-dependencies", {})
+
+
 def _our_dependencies(package: str) -> list[str]:
     """The packages of this repository that ``package`` depends on, recursively (lower layers first)."""
     import tomllib
@@ -92,22 +100,32 @@ def _our_dependencies(package: str) -> list[str]:
     return found
 
 
-@nox.session(tags=["ci"])
-def tests(session: nox.Session) -> None:
-    """Every package editable in one virtualenv, then each package's tests."""
-    _ensure_system_packages(session, PACKAGES)
+def _test_editable(session: nox.Session, packages: list[str]) -> None:
+    """Every package editable in this virtualenv, then the tests of ``packages``, one pytest each."""
+    _ensure_system_packages(session, packages)
     # transformers: ds-profiler checks whole GPT-2/BERT models built from small configs (no download)
     session.install(*TEST_DEPS, "transformers", *(a for p in PACKAGES for a in ("-e", f"packages/{p}")))
     failed = []
-    for package in PACKAGES:
-        # a package tested alone in CI (standalone-<pkg>) runs its tests marked slow there, not twice
-        deselect = ["-m", "not slow"] if package in STANDALONE_IN_CI else []
+    for package in packages:
         try:
-            _pytest(session, f"packages/{package}/tests", *deselect)
+            _pytest(session, f"packages/{package}/tests")
         except CommandFailed:
             failed.append(package)
     if failed:
         session.error(f"tests failed in: {', '.join(failed)}")
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """Every package editable in one virtualenv, then each package's tests (all of them)."""
+    _test_editable(session, PACKAGES)
+
+
+@nox.session(name="tests-rest", tags=["ci"])
+def tests_rest(session: nox.Session) -> None:
+    """As ``tests``, for the packages without a standalone session in CI (those run their tests there,
+    so CI runs no test twice)."""
+    _test_editable(session, [p for p in PACKAGES if p not in STANDALONE_IN_CI])
 
 
 def _standalone(package: str):
@@ -116,7 +134,7 @@ def _standalone(package: str):
         # Its ds dependencies come from their directories, as an index would serve them to a user
         # who runs `pip install <package>`; nothing else of the repository is installed.
         session.install(*TEST_DEPS, *(f"packages/{dep}" for dep in _our_dependencies(package)),
-                        f"packages/{package}")
+                        f"packages/{package}{'[test]' if 'test' in _extras(package) else ''}")
         # From the package folder, so pytest reads its pyproject; the sources live under src/,
         # which is not on sys.path, so the tests can only import the installed package.
         session.chdir(ROOT / "packages" / package)

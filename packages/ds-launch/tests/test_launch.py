@@ -51,7 +51,9 @@ BLOCKING = textwrap.dedent("""
     if os.environ["RANK"] == "0" and os.environ.get("STUBBORN"):
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    print(f"ready {os.environ['RANK']}", flush=True)
+    # one write(2) of the whole line: print() under PYTHONUNBUFFERED=1 writes the text and the newline
+    # separately, and the two ranks' lines can interleave on the shared pipe ("ready 1ready 0")
+    os.write(1, f"ready {os.environ['RANK']}\\n".encode())
     while True:
         signal.pause()
 """)

@@ -51,7 +51,7 @@ FAIL_ON_NODE_B = textwrap.dedent("""
 
 BLOCK_AFTER_READY = textwrap.dedent("""
     import os, signal
-    print(f"ready {os.environ['RANK']}", flush=True)
+    os.write(1, f"ready {os.environ['RANK']}\\n".encode())  # one write: see BLOCKING in test_launch.py
     while True:
         signal.pause()
 """)
