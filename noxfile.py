@@ -82,6 +82,11 @@ def _extras(package: str) -> dict[str, list[str]]:
     return project.get("optional-dependencies", {})
 
 
+def _test_extra(package: str) -> str:
+    """``[test]`` when ``package`` declares that extra (what its tests need beyond TEST_DEPS)."""
+    return "[test]" if "test" in _extras(package) else ""
+
+
 def _our_dependencies(package: str) -> list[str]:
     """The packages of this repository that ``package`` depends on, recursively (lower layers first)."""
     import tomllib
@@ -103,8 +108,8 @@ def _our_dependencies(package: str) -> list[str]:
 def _test_editable(session: nox.Session, packages: list[str]) -> None:
     """Every package editable in this virtualenv, then the tests of ``packages``, one pytest each."""
     _ensure_system_packages(session, packages)
-    # transformers: ds-profiler checks whole GPT-2/BERT models built from small configs (no download)
-    session.install(*TEST_DEPS, "transformers", *(a for p in PACKAGES for a in ("-e", f"packages/{p}")))
+    # every package's test extra too (transformers for ds-profiler's GPT-2/BERT, ds-all's monitors)
+    session.install(*TEST_DEPS, *(a for p in PACKAGES for a in ("-e", f"packages/{p}{_test_extra(p)}")))
     failed = []
     for package in packages:
         try:
@@ -134,7 +139,7 @@ def _standalone(package: str):
         # Its ds dependencies come from their directories, as an index would serve them to a user
         # who runs `pip install <package>`; nothing else of the repository is installed.
         session.install(*TEST_DEPS, *(f"packages/{dep}" for dep in _our_dependencies(package)),
-                        f"packages/{package}{'[test]' if 'test' in _extras(package) else ''}")
+                        f"packages/{package}{_test_extra(package)}")
         # From the package folder, so pytest reads its pyproject; the sources live under src/,
         # which is not on sys.path, so the tests can only import the installed package.
         session.chdir(ROOT / "packages" / package)

@@ -170,3 +170,40 @@ def test_not_a_model_or_not_an_optimizer():
         ZeroOptimizer("model")
     with pytest.raises(ValueError, match="optimizer must be an optimizer class or a callable, got 3"):
         ZeroOptimizer(_model(), 3)
+
+
+def close_detaches(rank, world_size, stage):
+    model = _model()
+    zero = ZeroOptimizer(model, torch.optim.AdamW, config={"stage": stage}, fp16={"enabled": True, "auto_cast": True,
+                                                                          "initial_scale_power": 4})
+    _train(zero, model, 2, rank)
+    held = zero.memory_bytes()
+    before = [p.detach().clone() for p in model.parameters()]
+    zero.close()
+    zero.close()  # twice is harmless
+    after = zero.memory_bytes()
+    # no hook of ds-zero's runs now: a backward gives plain gradients and issues no collective (rank 1
+    # does two backwards, rank 0 none: a hook that reduced would hang or fail here)
+    grads_plain = True
+    for _ in range(2 * rank):
+        model.zero_grad()
+        model(torch.randn(8, 128).half()).float().square().mean().backward()
+        grads_plain &= all(p.grad is not None and p.grad.data_ptr() != 0 for p in model.parameters())
+    try:
+        zero.step()
+        stepped = "no error"
+    except RuntimeError as e:
+        stepped = str(e)
+    kept = all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    ds_comm.barrier()
+    return held, after, grads_plain, stepped, kept
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_close_removes_the_hooks_and_frees_the_training_state(stage):
+    for held, after, grads_plain, stepped, kept in spawn(close_detaches, world_size=2, args=(stage,)):
+        assert held["grads"] > 0 and held["master"] > 0 and held["optimizer"] > 0
+        assert after["grads"] == after["master"] == after["optimizer"] == after["buffers"] == 0
+        assert after["params"] == held["params"]  # the model keeps its weights
+        assert grads_plain and kept
+        assert stepped == "ZeroOptimizer.step: this optimizer was closed"

@@ -1,12 +1,25 @@
-"""ds-all: the whole of ds in one install: the parts assembled, ``Config`` (a whole DeepSpeed
-config as one strict model) and the learning-rate schedules; ``initialize()`` and the engine land
-here as the packages below arrive.
+"""ds-all: the whole of ds in one install: ``initialize()`` and the engine assembled from the parts,
+``Config`` (a whole DeepSpeed config as one strict model), optimizers, learning-rate schedules and
+monitors from the config. ``import ds_all as deepspeed`` runs a DeepSpeed training script:
 
-    >>> import ds_all
-    >>> ds_all.versions()        # {'ds-all': '0.1.0', 'ds-launch': '0.1.0', ...}
-    >>> ds_all.Config.load("ds_config.json").resolve(dp_world_size=2)
+    engine, optimizer, loader, scheduler = ds_all.initialize(model=model, config="ds_config.json",
+                                                             training_data=dataset)
+    for batch in loader:
+        loss = engine(batch)
+        engine.backward(loss)
+        engine.step()
+
+``ds_all.comm``, ``ds_all.zero`` and ``ds_all.ops`` are ds-comm, ds-zero and ds-ops (DeepSpeed's
+``deepspeed.comm``, ``deepspeed.zero``, ``deepspeed.ops``); ``ds_all.versions()`` gives every part's version.
 """
 
+import ds_comm as comm
+import ds_ops as ops
+import ds_zero as zero
+
+from . import monitor
+from ._engine import DeepSpeedEngine
+from ._initialize import add_config_arguments, initialize
 from ._optimizers import build_optimizer
 from ._parts import PARTS, versions
 from ._scheduler_config import SchedulerConfig, build_scheduler
@@ -18,6 +31,7 @@ __version__ = "0.1.0"
 __all__ = [
     "PARTS",
     "Config",
+    "DeepSpeedEngine",
     "LRRangeTest",
     "OneCycle",
     "SchedulerConfig",
@@ -25,7 +39,13 @@ __all__ = [
     "WarmupDecayLR",
     "WarmupLR",
     "__version__",
+    "add_config_arguments",
     "build_optimizer",
     "build_scheduler",
+    "comm",
+    "initialize",
+    "monitor",
+    "ops",
     "versions",
+    "zero",
 ]

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -147,6 +148,7 @@ class ZeroOptimizer:
         self._shard_starts = layout.partition_offsets()
         self._flat = torch.zeros(layout.numel, dtype=self.dtype)
         self._master = None  # a float32 master copy of what this rank steps, when the model is 16-bit
+        self._hooks: list[Any] = []  # removed by close()
         if self.dtype != torch.float32:
             self._master = torch.zeros(layout.numel if self.stage == 0 else layout.shard_numel, dtype=torch.float32)
             self._fill_master(params)
@@ -160,7 +162,7 @@ class ZeroOptimizer:
                 if tensor.is_floating_point() and tensor.dtype != self.dtype:
                     tensor.data = tensor.data.to(self.dtype)
             if fp16_config.auto_cast and self.precision == "fp16":
-                self._cast_hook = model.register_forward_pre_hook(cast_floating_inputs(self.dtype), with_kwargs=True)
+                self._hooks.append(model.register_forward_pre_hook(cast_floating_inputs(self.dtype), with_kwargs=True))
         self._bucket_of = {id(p): slot.bucket for p, slot in zip(params, layout.slots, strict=True)}
         if self.stage < 2:
             self._grads = torch.zeros(layout.numel, dtype=self.dtype)
@@ -203,7 +205,9 @@ class ZeroOptimizer:
         self._callback_queued = False
         self._boundary_reduced = False  # the boundary's backward reduced every bucket
         self._global_grad_norm: float | None = None
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_gradient) for p in params]
+        self.reduction_wait_s = 0.0  # seconds step() has waited for reductions (the engine's "allreduce" timer)
+        self._closed = False
+        self._hooks += [p.register_post_accumulate_grad_hook(self._on_gradient) for p in params]
 
     # ------------------------------------------------------------------------------------- loop API
     @property
@@ -228,15 +232,24 @@ class ZeroOptimizer:
             loss = loss.float() * self.scaler.scale
         loss.backward(retain_graph=retain_graph)
 
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The wrapped optimizer's parameter groups (a learning-rate schedule sets their ``lr``)."""
+        return self.optimizer.param_groups
+
     def step(self) -> bool:
         """At an accumulation boundary: wait for the reductions, check for overflow (fp16), clip,
         step, gather; returns True, or False when an overflow skipped the step (on every rank).
         Between boundaries: count the micro-step and return False."""
+        if self._closed:
+            raise RuntimeError("ZeroOptimizer.step: this optimizer was closed")
         boundary = self.is_gradient_accumulation_boundary
         self._micro_step += 1
         if not boundary:
             return False
+        waited = time.perf_counter()
         self._wait_reductions()
+        self.reduction_wait_s += time.perf_counter() - waited
         scale = self.loss_scale
         norm = self._grad_norm()  # the same value on every rank
         if self.scaler is not None:
@@ -284,6 +297,35 @@ class ZeroOptimizer:
             self._partition.zero_()
             for p in self._params:
                 p.grad = None
+
+    def close(self) -> None:
+        """Detach from the model and free what ds-zero holds for training: the gradient hooks (and
+        fp16.auto_cast's), gradients, reduction buffers, optimizer states and the master copy. The
+        model keeps its current parameters and trains no further through this optimizer."""
+        if self._closed:
+            return
+        self._wait_reductions_quietly()
+        self._work, self._buffer_work = [], []
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+        for p in self._params:
+            p.grad = None
+        for tensor in self._step_params:
+            tensor.grad = None
+        self.optimizer.state.clear()
+        self._grads = self._partition = self._master = self._master_grads = None
+        self._bucket_buffers, self._received, self._step_grads, self._copies = [], [], [], None
+        self._closed = True
+
+    def _wait_reductions_quietly(self) -> None:
+        """Complete reductions still in flight (a close between backward and step), so no
+        collective is left half-issued on this rank."""
+        try:
+            for pending in [*self._work, *(w for w in self._buffer_work if w is not None)]:
+                _complete(*pending)
+        except Exception as e:  # the group may be gone already; nothing to finish then
+            logger.debug("ZeroOptimizer.close: pending reductions not completed (%s)", e)
 
     def get_global_grad_norm(self) -> float | None:
         """The L2 norm of the whole (reduced, unscaled, unclipped) gradient at the last step; None

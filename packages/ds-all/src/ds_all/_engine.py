@@ -1,0 +1,300 @@
+"""`DeepSpeedEngine`: the training loop's one object, assembled from the packages' parts.
+
+``engine(batch)`` runs the model; ``engine.backward(loss)`` and ``engine.step()`` go to a
+`ds_zero.ZeroOptimizer` (stages 0-2, fp16/bf16, offload), which knows the accumulation boundary; at
+each boundary the engine steps the learning-rate schedule, writes the monitors' events, prints
+progress every ``steps_per_print`` steps, and runs the flops profiler at ``flops_profiler.profile_step``.
+Nothing here computes what a package below computes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+import ds_comm
+from ds_profiler import FlopsProfiler
+from ds_zero import ZeroOptimizer
+
+from . import _client, _data
+from ._optimizers import build_optimizer
+from ._scheduler_config import build_scheduler
+from ._timers import ALLREDUCE, BACKWARD, FORWARD, STEP, Timers
+from .config import Config
+from .monitor import Monitors
+
+logger = logging.getLogger("ds_all")
+
+
+class DeepSpeedEngine(nn.Module):
+    """What `ds_all.initialize` returns first: the model (``engine.module``) with its ZeRO optimizer,
+    schedule, data loader, timers, monitors and profiler. Built by `initialize`; see its docstring."""
+
+    def __init__(self, *, model: nn.Module, config: Config, optimizer: Any = None, model_parameters: Any = None,
+                 lr_scheduler: Any = None, training_data: Any = None, collate_fn: Callable | None = None,
+                 mpu: Any = None, owns_process_group: bool = False) -> None:
+        super().__init__()
+        self.module = model
+        self.config = config
+        self.mpu = mpu
+        self._owns_process_group = owns_process_group
+        self.world_size, self.global_rank = ds_comm.get_world_size(), ds_comm.get_rank()
+        self.local_rank = ds_comm.get_local_rank()
+        self.data_parallel_group = mpu.get_data_parallel_group() if mpu is not None else None
+        self.dp_world_size = ds_comm.get_world_size(self.data_parallel_group)
+        self.mp_world_size = mpu.get_model_parallel_world_size() if mpu is not None else 1
+        self.device = torch.device("cpu")
+        self.global_steps = self.global_samples = self.micro_steps = 0
+        self.timers = Timers()
+        self.zero: ZeroOptimizer | None = None
+        self.optimizer: Any = None
+        factory = self._optimizer_factory(optimizer, model_parameters)
+        if factory is not None:
+            self.zero = self.optimizer = ZeroOptimizer(
+                model, factory, config=config.zero_optimization, fp16=config.fp16, bf16=config.bf16,
+                gradient_clipping=config.gradient_clipping,
+                gradient_accumulation_steps=config.gradient_accumulation_steps,
+                communication_data_type=config.communication_data_type, group=self.data_parallel_group)
+        self.lr_scheduler = self._scheduler(lr_scheduler)
+        self.training_dataloader = self.deepspeed_io(training_data, collate_fn=collate_fn) \
+            if training_data is not None else None
+        ds_comm.configure(config.comms_logger)
+        self.monitor = Monitors(config, rank=self.global_rank)
+        self.flops_profiler: FlopsProfiler | None = None
+        self._profiling = False
+        self._losses: torch.Tensor | None = None  # the mean loss of this accumulation (rank's own)
+        self._interval_start, self._interval_steps = time.perf_counter(), 0
+        self._step_applied = False
+        if config.dump_state and self.global_rank == 0:
+            logger.info("ds_all config:\n%s", config.model_dump_json(indent=2, exclude_defaults=True))
+
+    # ------------------------------------------------------------------------------ construction
+    def _optimizer_factory(self, optimizer: Any, model_parameters: Any) -> Callable | None:
+        """How ZeRO builds the optimizer over its flat tensors: the client's optimizer rebound to
+        them, a client callable, or the config's ``optimizer`` section; None when there is none."""
+        trainable = [p for p in self.module.parameters() if p.requires_grad]
+        if model_parameters is not None:
+            _client.check_model_parameters(model_parameters, trainable)
+        if isinstance(optimizer, torch.optim.Optimizer):
+            if self.config.optimizer is not None:
+                raise ValueError("initialize: an optimizer was passed and the config has an 'optimizer' section; "
+                                 "keep one of them")
+            return _client.rebinder(optimizer, trainable)
+        if optimizer is not None:
+            if not callable(optimizer):
+                raise ValueError(f"initialize: optimizer must be a torch.optim.Optimizer or a callable taking the "
+                                 f"parameters, got {type(optimizer).__name__}")
+            return optimizer
+        if self.config.optimizer is None:
+            return None
+        offload = self.config.zero_optimization.offload_optimizer is not None and \
+            self.config.zero_optimization.offload_optimizer.device == "cpu"
+        section = self.config.optimizer
+        return lambda tensors: build_optimizer(section, tensors, offload=offload)
+
+    def _scheduler(self, lr_scheduler: Any) -> Any:
+        if lr_scheduler is not None and self.config.scheduler.type is not None:
+            raise ValueError("initialize: an lr_scheduler was passed and the config has a 'scheduler' section; "
+                             "keep one of them")
+        if self.optimizer is None:
+            if lr_scheduler is not None or self.config.scheduler.type is not None:
+                raise ValueError("initialize: a learning-rate schedule needs an optimizer (pass optimizer= or give "
+                                 "the config an 'optimizer' section)")
+            return None
+        if lr_scheduler is None:
+            return build_scheduler(self.config.scheduler, self.optimizer.optimizer)
+        if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
+            return lr_scheduler(self.optimizer.optimizer)
+        return lr_scheduler
+
+    def deepspeed_io(self, dataset: Any, batch_size: int | None = None, route: Any = None, pin_memory: bool = False,
+                     data_sampler: Any = None, collate_fn: Callable | None = None,
+                     num_local_io_workers: int | None = None) -> torch.utils.data.DataLoader:
+        """A data loader of ``dataset`` for this data-parallel rank: micro-batches of
+        ``train_micro_batch_size_per_gpu`` from a `DistributedSampler` over the data-parallel ranks."""
+        del route  # DeepSpeed's train/eval route changes nothing in its loader either
+        return _data.loader(dataset, batch_size=batch_size or self.train_micro_batch_size_per_gpu(),
+                            num_replicas=self.dp_world_size, rank=ds_comm.get_rank(self.data_parallel_group),
+                            drop_last=self.config.dataloader_drop_last, pin_memory=pin_memory,
+                            data_sampler=data_sampler, collate_fn=collate_fn,
+                            num_workers=num_local_io_workers or 0)
+
+    # ----------------------------------------------------------------------------- the loop
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        """The model's forward, timed; at ``flops_profiler.profile_step`` its first forward starts
+        the profile (rank 0)."""
+        if self._should_profile():
+            self.flops_profiler = FlopsProfiler(self.module, ds_engine=self,
+                                                recompute_fwd_factor=self.config.flops_profiler.recompute_fwd_factor)
+            self.flops_profiler.start_profile()
+            self._profiling = True
+        self.timers(FORWARD).start()
+        try:
+            return self.module(*inputs, **kwargs)
+        finally:
+            self.timers(FORWARD).stop()
+            if self._profiling:
+                self.flops_profiler.stop_profile()
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
+        """Backward of ``loss`` through ZeRO (divided by the accumulation steps, times the fp16 loss
+        scale; gradients reduced as they are produced). Returns ``loss``."""
+        zero = self._require_optimizer("backward")
+        if torch.is_tensor(loss) and loss.numel() == 1:
+            piece = loss.detach().float() / self.gradient_accumulation_steps()
+            self._losses = piece if self._losses is None else self._losses + piece
+        self.timers(BACKWARD).start()
+        try:
+            zero.backward(loss, retain_graph=retain_graph, scale_wrt_gas=scale_wrt_gas)
+        finally:
+            self.timers(BACKWARD).stop()
+        return loss
+
+    def step(self) -> None:
+        """One micro-step: at the accumulation boundary the optimizer steps (skipped on fp16
+        overflow), gradients are zeroed, the schedule steps, monitors and progress are written."""
+        zero = self._require_optimizer("step")
+        boundary = zero.is_gradient_accumulation_boundary
+        self.timers(STEP).start()
+        waited = zero.reduction_wait_s
+        try:
+            applied = zero.step()
+            if boundary:
+                zero.zero_grad()
+        finally:
+            self.timers(STEP).stop()
+            self.timers(ALLREDUCE).add(zero.reduction_wait_s - waited)
+        self.micro_steps += 1
+        self.global_samples += self.train_micro_batch_size_per_gpu() * self.dp_world_size
+        if not boundary:
+            return
+        self._step_applied = applied
+        if applied and self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        self.global_steps += 1
+        self._interval_steps += 1
+        self._after_boundary()
+
+    def _after_boundary(self) -> None:
+        loss = float(self._losses) if self._losses is not None else None
+        self._losses = None
+        if self._profiling:
+            self._print_profile()
+        if self.monitor.enabled:
+            events = [("Train/Samples/lr", self.get_lr()[0], self.global_samples)]
+            if loss is not None:
+                events.append(("Train/Samples/train_loss", loss, self.global_samples))
+            if self.fp16_enabled():
+                events.append(("Train/Samples/loss_scale", self.loss_scale, self.global_samples))
+            if self.get_global_grad_norm() is not None:
+                events.append(("Train/Samples/grad_norm", self.get_global_grad_norm(), self.global_samples))
+            elapsed = time.perf_counter() - self._interval_start
+            if self._interval_steps and elapsed > 0:
+                rate = self._interval_steps * self.train_batch_size() / elapsed
+                events.append(("Train/Samples/samples_per_sec", rate, self.global_samples))
+            self.monitor.write_events(events)
+        if self.global_steps % self.config.steps_per_print == 0:
+            self._print_progress(loss)
+
+    def _print_progress(self, loss: float | None) -> None:
+        elapsed = time.perf_counter() - self._interval_start
+        rate = self._interval_steps * self.train_batch_size() / elapsed if elapsed > 0 else 0.0
+        if self.global_rank == 0:
+            lrs = ", ".join(f"{lr:.6g}" for lr in self.get_lr())
+            logger.info("step=%d, skipped=%d, lr=[%s], loss=%s, samples/sec=%.1f", self.global_steps,
+                        self.skipped_steps, lrs, "-" if loss is None else f"{loss:.5f}", rate)
+            if self.wall_clock_breakdown():
+                logger.info(self.timers.line([FORWARD, BACKWARD, STEP, ALLREDUCE], self._interval_steps))
+        self._interval_start, self._interval_steps = time.perf_counter(), 0
+
+    def _should_profile(self) -> bool:
+        section = self.config.flops_profiler
+        return (section.enabled and self.global_rank == 0 and not self._profiling and self.flops_profiler is None
+                and self.global_steps == section.profile_step)
+
+    def _print_profile(self) -> None:
+        options = self.config.flops_profiler.print_options()
+        self.flops_profiler.print_model_profile(**options)
+        self.flops_profiler.end_profile()
+        self._profiling = False
+
+    def _require_optimizer(self, call: str) -> ZeroOptimizer:
+        if self.zero is None:
+            raise RuntimeError(f"engine.{call}: this engine has no optimizer (pass optimizer= to initialize or "
+                               "give the config an 'optimizer' section)")
+        return self.zero
+
+    def zero_grad(self) -> None:
+        """Zero the gradients (``step`` does it at each boundary already)."""
+        if self.zero is not None:
+            self.zero.zero_grad()
+
+    # ------------------------------------------------------------------------------ state
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """Whether the current micro-step's ``step()`` updates the model."""
+        return self.zero.is_gradient_accumulation_boundary if self.zero is not None else True
+
+    def was_step_applied(self) -> bool:
+        """Whether the last boundary's optimizer step was applied (False after an fp16 overflow)."""
+        return self._step_applied
+
+    def get_lr(self) -> list[float]:
+        return [float(group["lr"]) for group in self.optimizer.param_groups] if self.optimizer is not None else []
+
+    def get_global_grad_norm(self) -> float | None:
+        return self.zero.get_global_grad_norm() if self.zero is not None else None
+
+    @property
+    def loss_scale(self) -> float:
+        return self.zero.loss_scale if self.zero is not None else 1.0
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.zero.skipped_steps if self.zero is not None else 0
+
+    def train_batch_size(self) -> int:
+        return self.config.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.config.train_micro_batch_size_per_gpu
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.gradient_accumulation_steps
+
+    def gradient_clipping(self) -> float:
+        return self.config.gradient_clipping
+
+    def zero_optimization_stage(self) -> int:
+        return self.config.zero_optimization.stage
+
+    def fp16_enabled(self) -> bool:
+        return self.config.fp16.enabled is True
+
+    def bf16_enabled(self) -> bool:
+        return self.config.bf16.enabled is True
+
+    def wall_clock_breakdown(self) -> bool:
+        return self.config.wall_clock_breakdown
+
+    def steps_per_print(self) -> int:
+        return self.config.steps_per_print
+
+    # ----------------------------------------------------------------------------- lifecycle
+    def destroy(self) -> None:
+        """Free what the engine holds: ZeRO's hooks and buffers, the monitors' files, the profiler,
+        and the process group when `initialize` created it. The engine cannot train afterwards."""
+        if self.zero is not None:
+            self.zero.close()
+        self.zero = self.optimizer = self.lr_scheduler = self.training_dataloader = None
+        if self.flops_profiler is not None:
+            self.flops_profiler.end_profile()
+            self.flops_profiler = None
+        self.monitor.close()
+        if self._owns_process_group and ds_comm.is_initialized():
+            ds_comm.destroy_process_group()
+        self._owns_process_group = False

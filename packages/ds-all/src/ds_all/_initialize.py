@@ -1,0 +1,107 @@
+"""`initialize()` and `add_config_arguments()`: DeepSpeed's entry points, signature for signature."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import random
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+import ds_comm
+
+from ._engine import DeepSpeedEngine
+from .config import Config
+
+logger = logging.getLogger("ds_all")
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add DeepSpeed's arguments to ``parser``: ``--deepspeed`` (a flag), ``--deepspeed_config PATH``
+    (also spelt ``--ds_config``), and the deprecated ``--deepscale``/``--deepscale_config``."""
+    if not isinstance(parser, argparse.ArgumentParser):
+        raise ValueError(f"add_config_arguments: parser must be an argparse.ArgumentParser, got {type(parser).__name__}")
+    group = parser.add_argument_group("DeepSpeed", "DeepSpeed configurations")
+    group.add_argument("--deepspeed", default=False, action="store_true",
+                       help="Enable DeepSpeed (helper flag for user code, no impact on ds_all.initialize)")
+    group.add_argument("--deepspeed_config", "--ds_config", dest="deepspeed_config", default=None, type=str,
+                       help="DeepSpeed JSON configuration file")
+    group.add_argument("--deepscale", default=False, action="store_true", help=argparse.SUPPRESS)
+    group.add_argument("--deepscale_config", default=None, type=str, help=argparse.SUPPRESS)
+    return parser
+
+
+def _config_source(args: Any, config: Any, config_params: Any) -> Any:
+    if config is not None and config_params is not None:
+        raise ValueError("initialize: config and config_params are both given (config_params is its older name); "
+                         "pass one")
+    config = config if config is not None else config_params
+    from_args = None
+    if args is not None:
+        from_args = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
+    if from_args is not None and config is not None:
+        raise ValueError(f"initialize: a config is given both as args.deepspeed_config ({from_args!r}) and as "
+                         "config=; pass one")
+    config = config if config is not None else from_args
+    if config is None:
+        raise ValueError("initialize: no DeepSpeed config: pass config= (a dict, a JSON file's path or a "
+                         "ds_all.Config) or args with --deepspeed_config")
+    return config
+
+
+def _show_progress_logs() -> None:
+    """The engine's progress lines (logger ``ds_all`` at INFO, rank 0) reach stdout unless the
+    application configured logging itself."""
+    if logger.handlers or logging.getLogger().handlers:
+        return
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("[ds_all] %(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+
+
+def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any = None, model_parameters: Any = None,
+               training_data: Any = None, lr_scheduler: Any = None, mpu: Any = None,
+               dist_init_required: bool | None = None, collate_fn: Callable | None = None, config: Any = None,
+               config_params: Any = None) -> tuple[DeepSpeedEngine, Any, Any, Any]:
+    """Returns ``(engine, optimizer, training_dataloader, lr_scheduler)`` as DeepSpeed's does.
+
+    ``model``: the module to train (on the CPU); ``config``: a DeepSpeed config (dict, JSON path or
+    `Config`; or ``args.deepspeed_config``), every ``"auto"`` in it already resolved (see
+    ``ds_all.hf.resolve_auto``). The optimizer is ``optimizer`` (a torch optimizer over the model's
+    parameters, rebound to ZeRO's buffers, or a callable taking the parameters), else the config's
+    ``optimizer`` section; the schedule is ``lr_scheduler`` (an object, or a callable taking the
+    optimizer), else the config's ``scheduler``. ``training_data``: a Dataset, loaded per
+    data-parallel rank. The process group is created when none exists (ds-launch, torchrun, MPI or
+    SLURM tell the rank); ``mpu`` gives the data-parallel group.
+    """
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"initialize: model must be a torch.nn.Module, got {type(model).__name__}")
+    source = _config_source(args, config, config_params)
+    owns_group = False
+    if not ds_comm.is_initialized():
+        if dist_init_required is False:
+            raise RuntimeError("initialize: dist_init_required=False but no process group exists; create one "
+                               "(ds_comm.init_distributed) or leave dist_init_required unset")
+        ds_comm.init_distributed()
+        owns_group = True
+    try:
+        dp_world_size = ds_comm.get_world_size(mpu.get_data_parallel_group() if mpu is not None else None)
+        resolved = Config.load(source).resolve(dp_world_size=dp_world_size)
+        if resolved.seed is not None:
+            random.seed(resolved.seed)
+            torch.manual_seed(resolved.seed)
+        _show_progress_logs()
+        engine = DeepSpeedEngine(model=model, config=resolved, optimizer=optimizer, model_parameters=model_parameters,
+                                 lr_scheduler=lr_scheduler, training_data=training_data, collate_fn=collate_fn,
+                                 mpu=mpu, owns_process_group=owns_group)
+    except BaseException:
+        if owns_group:  # nothing half-built is left behind: the group this call created goes too
+            ds_comm.destroy_process_group()
+        raise
+    return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
