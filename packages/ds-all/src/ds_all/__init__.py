@@ -17,7 +17,7 @@ import ds_comm as comm
 import ds_ops as ops
 import ds_zero as zero
 
-from . import monitor
+from . import hf, monitor
 from ._engine import DeepSpeedEngine
 from ._initialize import add_config_arguments, initialize
 from ._optimizers import build_optimizer
@@ -43,6 +43,7 @@ __all__ = [
     "build_optimizer",
     "build_scheduler",
     "comm",
+    "hf",
     "initialize",
     "monitor",
     "ops",

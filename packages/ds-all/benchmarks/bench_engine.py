@@ -1,0 +1,154 @@
+"""The engine against ds-zero used directly and against DDP, on the workload of DESIGN.md §9.
+
+The GPT of ds-zero's benchmark (``packages/ds-zero/benchmarks/bench_zero.py``, loaded from its file:
+one definition of the workload), micro-batch 4 x 256 tokens per rank, 2 ranks x 1 thread on gloo,
+AdamW (torch's, in all three). Per configuration, fresh rank processes; time per step is the median
+of steps 3..N; rounds interleave the configurations, starting one further along each round, and the
+table gives the median over rounds. Also timed: ``initialize()`` (process group, ZeRO's buffers,
+optimizer, schedule) against DDP's setup (process group, ``DistributedDataParallel``, AdamW), both
+after imports, with the model built ("warm": nothing compiled or downloaded).
+
+    python benchmarks/bench_engine.py [--steps 12] [--stage 0 1 2] [--gas 1] [--rounds 3] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import ds_comm
+from ds_comm.testing import spawn
+
+_WORKLOAD = Path(__file__).resolve().parents[2] / "ds-zero" / "benchmarks" / "bench_zero.py"
+
+
+def _workload():
+    spec = importlib.util.spec_from_file_location("bench_zero_workload", _WORKLOAD)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+ADAMW = {"lr": 1e-4, "weight_decay": 0.01}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(rank: int, world_size: int, kind: str, stage: int, gas: int, steps: int, port: int) -> dict:
+    torch.set_num_threads(1)
+    work = _workload()
+    torch.manual_seed(0)
+    model = work.GPT()
+    ds_comm.destroy_process_group()  # spawn made one; each kind times its own setup from none, on a new port
+    os.environ["MASTER_PORT"] = str(port)
+    start = time.perf_counter()
+    if kind == "ddp":
+        ds_comm.init_distributed()
+        ddp = nn.parallel.DistributedDataParallel(model)
+        optimizer = torch.optim.AdamW(ddp.parameters(), **ADAMW)
+        setup = time.perf_counter() - start
+
+        def train_step(step):
+            for micro in range(gas):
+                with ddp.no_sync() if micro < gas - 1 else torch.enable_grad():
+                    (ddp(work._tokens(step, micro, rank)) / gas).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=False)
+    elif kind == "zero":
+        ds_comm.init_distributed()
+        from ds_zero import ZeroOptimizer
+
+        zero = ZeroOptimizer(model, torch.optim.AdamW, optimizer_kwargs=ADAMW, config={"stage": stage},
+                             gradient_accumulation_steps=gas)
+        setup = time.perf_counter() - start
+
+        def train_step(step):
+            for micro in range(gas):
+                zero.backward(model(work._tokens(step, micro, rank)))
+                zero.step()
+                zero.zero_grad()
+    else:
+        import ds_all
+
+        config = {"train_micro_batch_size_per_gpu": work.MICRO_BATCH, "gradient_accumulation_steps": gas,
+                  "optimizer": {"type": "AdamW", "params": {**ADAMW, "torch_adam": True}},
+                  "zero_optimization": {"stage": stage}, "steps_per_print": 10**9}
+        engine, *_ = ds_all.initialize(model=model, config=config)
+        setup = time.perf_counter() - start
+
+        def train_step(step):
+            for micro in range(gas):
+                engine.backward(engine(work._tokens(step, micro, rank)))
+                engine.step()
+    times = []
+    for step in range(steps):
+        ds_comm.barrier()
+        begin = time.perf_counter()
+        train_step(step)
+        times.append(time.perf_counter() - begin)
+    return {"times": times, "setup": setup}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--stage", type=int, nargs="+", default=[0, 1, 2], choices=[0, 1, 2])
+    parser.add_argument("--gas", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds over the configurations")
+    parser.add_argument("--json", help="write the figures here too")
+    args = parser.parse_args()
+    if args.steps < 4:
+        parser.error("--steps must be >= 4 (steps 3.. are timed)")
+    if not _WORKLOAD.exists():
+        sys.exit(f"bench_engine: the workload's definition is missing: {_WORKLOAD}")
+    kinds = ["ddp"] + [f"{k}-{s}" for s in args.stage for k in ("zero", "engine")]
+    print(f"GPT of DESIGN.md §9, 2 ranks x 1 thread, gloo, AdamW, gas {args.gas}; {args.steps} steps, median of "
+          f"steps 3..{args.steps}; {args.rounds} interleaved round(s)", flush=True)
+    per_step: dict[str, list[float]] = {k: [] for k in kinds}
+    setup: dict[str, list[float]] = {k: [] for k in kinds}
+    for r in range(args.rounds):
+        for kind in kinds[r % len(kinds):] + kinds[:r % len(kinds)]:
+            name, _, stage = kind.partition("-")
+            results = spawn(run, world_size=2, args=(name, int(stage or 0), args.gas, args.steps, _free_port()),
+                            timeout=3600)
+            steps = [max(res["times"][i] for res in results) for i in range(args.steps)]
+            per_step[kind].append(statistics.median(steps[2:]))
+            # the rank that arrived last at the rendezvous: its time is not spent waiting for the other
+            # rank to build its model
+            setup[kind].append(min(res["setup"] for res in results))
+            print(f"  round {r + 1} {kind:<9} {per_step[kind][-1]:.3f} s/step  setup {setup[kind][-1]:.2f} s", flush=True)
+    rows = []
+    ddp = statistics.median(per_step["ddp"])
+    for kind in kinds:
+        seconds = statistics.median(per_step[kind])
+        name, _, stage = kind.partition("-")
+        direct = statistics.median(per_step[f"zero-{stage}"]) if name == "engine" else None
+        rows.append({"config": kind, "s_per_step": seconds, "vs_ddp": seconds / ddp,
+                     "engine_vs_zero_direct": seconds / direct if direct else None,
+                     "setup_s": statistics.median(setup[kind])})
+    print(f"\n{'config':<10} {'s/step':>8} {'vs DDP':>8} {'vs ds-zero direct':>18} {'setup s':>8}")
+    for row in rows:
+        versus = f"{row['engine_vs_zero_direct']:.3f}x" if row["engine_vs_zero_direct"] else "-"
+        print(f"{row['config']:<10} {row['s_per_step']:>8.3f} {row['vs_ddp']:>7.3f}x {versus:>18} {row['setup_s']:>8.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"steps": args.steps, "rounds": args.rounds, "gas": args.gas, "rows": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()
