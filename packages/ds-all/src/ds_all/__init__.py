@@ -17,7 +17,7 @@ import ds_comm as comm
 import ds_ops as ops
 import ds_zero as zero
 
-from . import hf, monitor
+from . import checkpointing, hf, monitor
 from ._engine import DeepSpeedEngine
 from ._initialize import add_config_arguments, initialize
 from ._optimizers import build_optimizer
@@ -42,6 +42,7 @@ __all__ = [
     "add_config_arguments",
     "build_optimizer",
     "build_scheduler",
+    "checkpointing",
     "comm",
     "hf",
     "initialize",

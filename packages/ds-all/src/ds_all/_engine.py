@@ -21,7 +21,7 @@ import ds_comm
 from ds_profiler import FlopsProfiler
 from ds_zero import ZeroOptimizer
 
-from . import _client, _data
+from . import _client, _data, checkpointing
 from ._optimizers import build_optimizer
 from ._scheduler_config import build_scheduler
 from ._timers import ALLREDUCE, BACKWARD, FORWARD, STEP, Timers
@@ -64,6 +64,8 @@ class DeepSpeedEngine(nn.Module):
         self.training_dataloader = self.deepspeed_io(training_data, collate_fn=collate_fn) \
             if training_data is not None else None
         ds_comm.configure(config.comms_logger)
+        if "activation_checkpointing" in config.model_fields_set:
+            checkpointing.configure(mpu, deepspeed_config=config.activation_checkpointing)
         self.monitor = Monitors(config, rank=self.global_rank)
         self.flops_profiler: FlopsProfiler | None = None
         self._profiling = False
