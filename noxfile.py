@@ -5,7 +5,7 @@
 * ``standalone-<pkg>``: a fresh virtualenv with only that package (not editable, with its ``test``
   extra where it has one), its own tests.
 * ``build``: a wheel of every package into ``.nox/wheelhouse``; ``lint``: ruff;
-  ``bench``: every ``packages/*/benchmarks/bench_*.py``; ``demo``: the main job.
+  ``bench``: every ``packages/*/benchmarks/bench_*.py``; ``demo``: the main job (a GPT from a JSON).
 * ``wheels``: ``build``, then ds-all installed from the wheelhouse into a fresh virtualenv as a
   user would, ``python -m ds_all`` and an import of every part.
 
@@ -216,8 +216,10 @@ def bench(session: nox.Session) -> None:
 
 @nox.session(tags=["ci"])
 def demo(session: nox.Session) -> None:
-    """The main job: ds-launch starts 2 ranks that train a tiny model data-parallel through ds-comm on gloo."""
-    # Every package, not editable, as `pip install ds-all` would bring them (ds-all needs them all).
-    session.install(TORCH, *(f"packages/{p}" for p in PACKAGES))
-    session.run("ds-launch", "--num_procs", "2",
-                "packages/ds-all/examples/train_data_parallel.py", *session.posargs)
+    """The main job: ds-launch starts 2 ranks that train a GPT (~34M parameters) from a DeepSpeed JSON
+    through ds_all.initialize (ZeRO with CPU offload, WarmupCosineLR, TensorBoard and CSV logs, a flops
+    profile, the comms logger's summary)."""
+    # Every package, not editable, as `pip install ds-all[monitors]` would bring them (ds-all needs them
+    # all; the JSON turns TensorBoard on).
+    session.install(TORCH, *(f"packages/{p}" for p in PACKAGES if p != "ds-all"), "packages/ds-all[monitors]")
+    session.run("ds-launch", "--num_procs", "2", "packages/ds-all/examples/train_gpt.py", *session.posargs)

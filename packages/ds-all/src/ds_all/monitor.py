@@ -22,6 +22,8 @@ class TensorBoardMonitor:
     """Scalars through ``torch.utils.tensorboard.SummaryWriter`` into ``output_path/job_name``
     (``output_path`` empty: ``./runs``). Needs the ``tensorboard`` package."""
 
+    section = "tensorboard"
+
     def __init__(self, section: Any) -> None:
         try:
             from torch.utils.tensorboard import SummaryWriter
@@ -43,6 +45,8 @@ class TensorBoardMonitor:
 class CSVMonitor:
     """One CSV file per scalar, ``output_path/job_name/<name with / as _>.csv``, rows ``step,value``
     (``output_path`` empty: ``./csv_monitor``); each row is flushed as it is written."""
+
+    section = "csv_monitor"
 
     def __init__(self, section: Any) -> None:
         self.path = Path(section.output_path or "csv_monitor") / section.job_name
@@ -69,6 +73,8 @@ class WandbMonitor:
     """Weights & Biases: ``wandb.init(project=, group=, entity=team)``, then ``log({name: value},
     step=step)``; ``run`` is the wandb run. Offline when ``WANDB_MODE=offline`` (no network). Needs the
     ``wandb`` package."""
+
+    section = "wandb"
 
     def __init__(self, section: Any) -> None:
         try:
@@ -107,9 +113,9 @@ class Monitors:
     def enabled(self) -> bool:
         return bool(self.monitors)
 
-    def paths(self) -> list[str]:
-        """Where each monitor writes."""
-        return [os.fspath(m.path) for m in self.monitors]
+    def paths(self) -> dict[str, str]:
+        """Where each monitor writes, by section name ("tensorboard", "csv_monitor", "wandb")."""
+        return {m.section: os.fspath(m.path) for m in self.monitors}
 
     def write_events(self, events: list[Event]) -> None:
         for monitor in self.monitors:

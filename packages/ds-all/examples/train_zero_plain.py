@@ -1,13 +1,14 @@
-"""The main job, for now: a tiny model trained data-parallel through ds-comm on gloo.
+"""ds-zero in a plain loop, without the engine: a tiny model trained with ZeRO stage 2 on gloo.
 
-    ds-launch --num_procs 2 examples/train_data_parallel.py [--steps 30] [--lr 0.1]
+    ds-launch --num_procs 2 examples/train_zero_plain.py [--steps 30] [--lr 0.1]
 
 Every rank builds the same model (same seed) and a different shard of a synthetic regression
-problem. ds-comm starts the process group from what ds-launch sets (RANK, WORLD_SIZE, ...); after
-backward the gradients are averaged with one coalesced all-reduce, so the ranks stay identical;
-the comms logger records every collective and rank 0 prints its summary at the end. Rank 0 prints
-the global loss per step and whether it went down. Exit code 1 if it did not, or if the ranks'
-parameters drifted apart. (The engine issue replaces this with the ZeRO-3 job.)
+problem. ds-comm starts the process group from what ds-launch sets (RANK, WORLD_SIZE, ...);
+`ds_zero.ZeroOptimizer` partitions the optimizer states and gradients (reduce-scattered bucket by
+bucket as backward produces them) and all-gathers the updated parameters, so the ranks stay
+identical; the comms logger records every collective and rank 0 prints its summary at the end.
+Rank 0 prints the global loss per step and whether it went down. Exit code 1 if it did not, or if
+the ranks' parameters drifted apart.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import sys
 import torch
 
 import ds_comm
+from ds_zero import ZeroOptimizer
 
 
 def make_data(rank: int, world_size: int, samples: int = 256, features: int = 8):
@@ -42,19 +44,16 @@ def main() -> int:
     ds_comm.configure(enabled=True)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
+    zero = ZeroOptimizer(model, torch.optim.SGD, optimizer_kwargs={"lr": args.lr}, config={"stage": 2})
     rank, world = ds_comm.get_rank(), ds_comm.get_world_size()
     x, y = make_data(rank, world)
 
     losses = []
     for step in range(args.steps):
-        optimizer.zero_grad()
         loss = torch.nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        grads = [p.grad for p in model.parameters()]
-        ds_comm.all_reduce_coalesced(grads)
-        torch._foreach_div_(grads, world)
-        optimizer.step()
+        zero.backward(loss)
+        zero.step()
+        zero.zero_grad()
         global_loss = loss.detach().clone()
         ds_comm.all_reduce(global_loss)
         losses.append(global_loss.item() / world)
