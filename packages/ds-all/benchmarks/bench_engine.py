@@ -55,6 +55,9 @@ def run(rank: int, world_size: int, kind: str, stage: int, gas: int, steps: int,
     model = work.GPT()
     ds_comm.destroy_process_group()  # spawn made one; each kind times its own setup from none, on a new port
     os.environ["MASTER_PORT"] = str(port)
+    import ds_all  # imports are not setup: torch is imported before DDP's timing too
+    from ds_zero import ZeroOptimizer
+
     start = time.perf_counter()
     if kind == "ddp":
         ds_comm.init_distributed()
@@ -70,8 +73,6 @@ def run(rank: int, world_size: int, kind: str, stage: int, gas: int, steps: int,
             optimizer.zero_grad(set_to_none=False)
     elif kind == "zero":
         ds_comm.init_distributed()
-        from ds_zero import ZeroOptimizer
-
         zero = ZeroOptimizer(model, torch.optim.AdamW, optimizer_kwargs=ADAMW, config={"stage": stage},
                              gradient_accumulation_steps=gas)
         setup = time.perf_counter() - start
@@ -82,8 +83,6 @@ def run(rank: int, world_size: int, kind: str, stage: int, gas: int, steps: int,
                 zero.step()
                 zero.zero_grad()
     else:
-        import ds_all
-
         config = {"train_micro_batch_size_per_gpu": work.MICRO_BATCH, "gradient_accumulation_steps": gas,
                   "optimizer": {"type": "AdamW", "params": {**ADAMW, "torch_adam": True}},
                   "zero_optimization": {"stage": stage}, "steps_per_print": 10**9}

@@ -9,6 +9,7 @@ optimizer (ZeRO-Offload); stage 3 and NVMe are refused with a message until they
 package README).
 """
 
+from ._checkpoint import load_zero_checkpoint, read_zero_metadata, save_zero_checkpoint
 from ._estimate import (
                         estimate_zero2_model_states_mem_needs_all_cold,
                         estimate_zero2_model_states_mem_needs_all_live,
@@ -21,4 +22,5 @@ __version__ = "0.1.0"
 
 __all__ = ["BF16Config", "FP16Config", "OffloadOptimizerConfig", "OffloadParamConfig", "ZeroConfig", "ZeroOptimizer",
            "__version__", "estimate_zero2_model_states_mem_needs_all_cold",
-           "estimate_zero2_model_states_mem_needs_all_live", "estimate_zero_model_states_mem_needs"]
+           "estimate_zero2_model_states_mem_needs_all_live", "estimate_zero_model_states_mem_needs",
+           "load_zero_checkpoint", "read_zero_metadata", "save_zero_checkpoint"]

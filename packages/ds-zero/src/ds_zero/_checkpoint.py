@@ -1,0 +1,276 @@
+"""Sharded checkpoints of a `ZeroOptimizer` through ``torch.distributed.checkpoint`` (DCP).
+
+Each rank describes what it holds as 1-D shards of each *whole flattened parameter*: its pieces of the
+float32 master weights (``master/<name>``) and of every optimizer state of the same size
+(``optim/<key>/<name>``), plus replicated scalars (``optim_scalar/<key>``) and the module's buffers and
+frozen parameters (``module/<name>``). Which rank held which range is recorded by DCP, so a checkpoint
+saved by N ranks at stage s loads into M ranks at stage t: each loading rank asks for its own pieces
+(stage 1-2) or whole tensors (stage 0), and DCP's planner reads the overlapping ranges of the saved
+shards. The rest (loss scaler, counters, hyperparameters) is plain data returned by `zero_metadata`.
+
+ZeRO's shards end at bucket boundaries, not at even splits of each parameter, so they cannot be
+DTensor ``Shard(0)`` placements; they are `ShardedTensor`s (DCP's type for arbitrary shards) built
+from metadata every rank computes alone, with no collective.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from ._model import param_name
+
+if TYPE_CHECKING:
+    from ._optimizer import ZeroOptimizer
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", FutureWarning)
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+    from torch.distributed._shard.sharded_tensor.metadata import (
+        ShardedTensorMetadata,
+        TensorProperties,
+    )
+
+FORMAT = 1  # bumped when the layout of keys changes
+
+
+def _sharded(local: torch.Tensor | None, start: int, ranges: list[tuple[int, int, int]], numel: int,
+             dtype: torch.dtype, rank: int) -> ShardedTensor:
+    """A 1-D `ShardedTensor` of ``numel`` elements whose shards are ``ranges`` ((rank, start, length));
+    this rank's is ``local`` (starting at ``start``), or none."""
+    metas = [ShardMetadata([s], [n], f"rank:{r}/cpu") for r, s, n in ranges]
+    properties = TensorProperties.create_from_tensor(torch.empty(0, dtype=dtype))
+    shards = [Shard(local, ShardMetadata([start], [local.numel()], f"rank:{rank}/cpu"))] if local is not None else []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        return ShardedTensor._init_from_local_shards_and_global_metadata(
+            shards, ShardedTensorMetadata(metas, torch.Size([numel]), properties))
+
+
+def _names(zero: ZeroOptimizer) -> list[str]:
+    return [param_name(zero.model, p) for p in zero._params]
+
+
+def _pieces_by_param(zero: ZeroOptimizer) -> dict[int, list[tuple[int, int, int]]]:
+    """For each parameter: the (rank, start, length) of every rank's piece of it (its flattened form)."""
+    out: dict[int, list[tuple[int, int, int]]] = {i: [] for i in range(len(zero._params))}
+    for rank in range(zero.world_size):
+        for piece in zero.layout.pieces(rank):
+            out[piece.index].append((rank, piece.param_offset, piece.numel))
+    return out
+
+
+def _my_pieces(zero: ZeroOptimizer) -> Iterator[tuple[Any, int, int]]:
+    """This rank's pieces with (where the piece sits in the master copy or flat buffer, where it sits
+    in its bucket's stepped tensor)."""
+    starts = zero._shard_starts
+    for piece in zero.layout.pieces(zero.rank):
+        slot = zero.layout.slots[piece.index]
+        flat = slot.offset + piece.param_offset
+        bucket = zero.layout.buckets[piece.bucket]
+        in_master = flat if (zero._master is None or zero.stage == 0) else piece.partition_offset
+        in_step = (flat - bucket.offset) if zero.stage == 0 else piece.partition_offset - starts[piece.bucket]
+        yield piece, in_master, in_step
+
+
+def _master(zero: ZeroOptimizer) -> torch.Tensor:
+    return zero._flat if zero._master is None else zero._master
+
+
+def _tensor_states(zero: ZeroOptimizer) -> tuple[list[str], list[str]]:
+    """The inner optimizer's state keys: those holding a tensor the size of its stepped tensor (sharded
+    per parameter), and the others (scalars, kept once)."""
+    if not zero.optimizer.state:
+        return [], []
+    state = zero.optimizer.state[zero._step_params[0]]
+    numel = zero._step_params[0].numel()
+    sized = sorted(k for k, v in state.items() if torch.is_tensor(v) and v.dim() > 0 and v.numel() == numel)
+    scalars = sorted(k for k in state if k not in sized)
+    return sized, scalars
+
+
+def zero_state(zero: ZeroOptimizer) -> dict[str, Any]:
+    """This rank's part of the checkpoint as a DCP state dict (see the module docstring)."""
+    names, by_param = _names(zero), _pieces_by_param(zero)
+    master, out = _master(zero), {}
+    sized, scalars = _tensor_states(zero)
+    for piece, in_master, in_step in _my_pieces(zero):
+        name, numel = names[piece.index], zero.layout.slots[piece.index].numel
+        ranges = by_param[piece.index]
+        out[f"master/{name}"] = _sharded(master[in_master:in_master + piece.numel], piece.param_offset, ranges,
+                                         numel, torch.float32, zero.rank)
+        state = zero.optimizer.state[zero._step_params[piece.bucket]]
+        for key in sized:
+            tensor = state[key]
+            out[f"optim/{key}/{name}"] = _sharded(tensor[in_step:in_step + piece.numel], piece.param_offset, ranges,
+                                                  numel, tensor.dtype, zero.rank)
+    mine = {piece.index for piece in zero.layout.pieces(zero.rank)}
+    for index, name in enumerate(names):  # parameters this rank holds no piece of still need an entry
+        if index not in mine:
+            numel = zero.layout.slots[index].numel
+            out[f"master/{name}"] = _sharded(None, 0, by_param[index], numel, torch.float32, zero.rank)
+            for key in sized:
+                dtype = zero.optimizer.state[zero._step_params[0]][key].dtype
+                out[f"optim/{key}/{name}"] = _sharded(None, 0, by_param[index], numel, dtype, zero.rank)
+    if scalars:
+        first = zero.optimizer.state[zero._step_params[0]]
+        for key in scalars:
+            value = first[key]
+            out[f"optim_scalar/{key}"] = value.detach().clone() if torch.is_tensor(value) else torch.tensor(value)
+    trainable = {id(p) for p in zero._params}
+    for name, tensor in [*zero.model.named_parameters(), *zero.model.named_buffers()]:
+        if id(tensor) not in trainable:
+            out[f"module/{name}"] = tensor.detach()
+    return out
+
+
+def zero_metadata(zero: ZeroOptimizer) -> dict[str, Any]:
+    """The plain-data part: what loading needs to check and restore besides tensors."""
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in zero.optimizer.param_groups]
+    return {"format": FORMAT, "zero_stage": zero.stage, "world_size": zero.world_size, "precision": zero.precision,
+            "optimizer": type(zero.optimizer).__name__, "param_groups": groups,
+            "names": _names(zero), "shapes": [list(p.shape) for p in zero._params],
+            "micro_step": zero._micro_step, "skipped_steps": zero.skipped_steps,
+            "loss_scaler": zero.scaler.state_dict() if zero.scaler is not None else None}
+
+
+def check_compatible(zero: ZeroOptimizer, meta: dict[str, Any], where: str) -> None:
+    """The model of ``meta`` (a saved `zero_metadata`) must be ``zero``'s: same parameter names and
+    shapes; any world size and stage are fine."""
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{where}: checkpoint format {meta.get('format')!r}, this ds-zero reads {FORMAT}")
+    names, shapes = _names(zero), [list(p.shape) for p in zero._params]
+    saved = dict(zip(meta["names"], meta["shapes"], strict=True))
+    missing = [n for n in names if n not in saved]
+    extra = [n for n in saved if n not in names]
+    wrong = [f"{n}: saved {saved[n]}, model {s}" for n, s in zip(names, shapes, strict=True)
+             if n in saved and saved[n] != s]
+    if missing or extra or wrong:
+        parts = ([f"missing from the checkpoint: {', '.join(missing[:5])}"] if missing else []) + \
+                ([f"not in the model: {', '.join(extra[:5])}"] if extra else []) + \
+                ([f"other shapes: {'; '.join(wrong[:5])}"] if wrong else [])
+        raise ValueError(f"{where}: the checkpoint is of another model ({' | '.join(parts)})")
+
+
+def load_zero_state(zero: ZeroOptimizer, checkpoint_id: Any, meta: dict[str, Any], *, load_optimizer: bool = True,
+                    extra: dict[str, Any] | None = None) -> None:
+    """Load a checkpoint written by `zero_state` from any world size and stage into ``zero``, in place
+    (every rank calls it; DCP reads only the ranges this rank holds)."""
+    check_compatible(zero, meta, "ZeroOptimizer.load")
+    saved_keys = set(dcp.FileSystemReader(checkpoint_id).read_metadata().state_dict_metadata)
+    sized = sorted({k.split("/")[1] for k in saved_keys if k.startswith("optim/")}) if load_optimizer else []
+    scalars = sorted(k.split("/", 1)[1] for k in saved_keys if k.startswith("optim_scalar/")) if load_optimizer else []
+    for tensor in zero._step_params:  # states the optimizer has not made yet (it has not stepped)
+        state = zero.optimizer.state[tensor]
+        for key in sized:
+            if key not in state:
+                state[key] = torch.zeros_like(tensor)
+    names, by_param, master = _names(zero), _pieces_by_param(zero), _master(zero)
+    wanted: dict[str, Any] = {}
+    if zero.stage == 0:  # every rank holds everything: whole tensors, read from whichever shards hold them
+        for index, name in enumerate(names):
+            slot = zero.layout.slots[index]
+            wanted[f"master/{name}"] = master[slot.offset:slot.offset + slot.numel]
+            bucket = zero.layout.buckets[slot.bucket]
+            for key in sized:
+                at = slot.offset - bucket.offset
+                wanted[f"optim/{key}/{name}"] = zero.optimizer.state[zero._step_params[slot.bucket]][key][at:at + slot.numel]
+    else:
+        mine = set()
+        for piece, in_master, in_step in _my_pieces(zero):
+            name, numel, ranges = names[piece.index], zero.layout.slots[piece.index].numel, by_param[piece.index]
+            mine.add(piece.index)
+            wanted[f"master/{name}"] = _sharded(master[in_master:in_master + piece.numel], piece.param_offset,
+                                                ranges, numel, torch.float32, zero.rank)
+            state = zero.optimizer.state[zero._step_params[piece.bucket]]
+            for key in sized:
+                wanted[f"optim/{key}/{name}"] = _sharded(state[key][in_step:in_step + piece.numel], piece.param_offset,
+                                                         ranges, numel, state[key].dtype, zero.rank)
+        for index, name in enumerate(names):
+            if index not in mine:
+                numel = zero.layout.slots[index].numel
+                wanted[f"master/{name}"] = _sharded(None, 0, by_param[index], numel, torch.float32, zero.rank)
+                for key in sized:
+                    dtype = zero.optimizer.state[zero._step_params[0]][key].dtype
+                    wanted[f"optim/{key}/{name}"] = _sharded(None, 0, by_param[index], numel, dtype, zero.rank)
+    scalar_values = {key: torch.zeros(()) for key in scalars}
+    wanted.update({f"optim_scalar/{key}": value for key, value in scalar_values.items()})
+    trainable = {id(p) for p in zero._params}
+    for name, tensor in [*zero.model.named_parameters(), *zero.model.named_buffers()]:
+        if id(tensor) not in trainable and f"module/{name}" in saved_keys:
+            wanted[f"module/{name}"] = tensor.data
+    wanted.update(extra or {})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        dcp.load(wanted, storage_reader=dcp.FileSystemReader(checkpoint_id))
+    for key, value in scalar_values.items():
+        for tensor in zero._step_params:
+            zero.optimizer.state[tensor][key] = value.clone()
+    if load_optimizer:
+        for group, saved in zip(zero.optimizer.param_groups, meta["param_groups"], strict=False):
+            group.update({k: (tuple(v) if isinstance(group.get(k), tuple) else v) for k, v in saved.items()})
+        zero._micro_step = int(meta["micro_step"])
+        zero.skipped_steps = int(meta["skipped_steps"])
+        if zero.scaler is not None and meta.get("loss_scaler") is not None:
+            zero.scaler.load_state_dict(meta["loss_scaler"])
+    if zero._master is not None:
+        for copy, tensor in zip(zero._copies, zero._step_params, strict=True):
+            copy.copy_(tensor.detach())
+    if zero.stage > 0:
+        zero._gather_parameters()
+
+
+META_FILE = "zero_meta.json"
+
+
+def save_zero_checkpoint(zero: ZeroOptimizer, path: Any, *, extra: dict[str, Any] | None = None) -> None:
+    """Write ``zero``'s sharded checkpoint into the directory ``path`` (every rank calls it): DCP's files
+    and rank 0's ``zero_meta.json``. ``extra``: more DCP entries of this rank (the engine's)."""
+    import json
+    import os
+
+    state = zero_state(zero)
+    if extra:
+        clash = sorted(set(state) & set(extra))
+        if clash:
+            raise ValueError(f"save_zero_checkpoint: extra keys {clash} clash with ZeRO's")
+        state.update(extra)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(path, sync_files=True))
+    if zero.rank == 0:
+        target = os.path.join(path, META_FILE)
+        with open(target + ".tmp", "w") as f:
+            json.dump(zero_metadata(zero), f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(target + ".tmp", target)
+
+
+def read_zero_metadata(path: Any) -> dict[str, Any]:
+    """The ``zero_meta.json`` of a checkpoint directory (a clear error when it is missing or torn)."""
+    import json
+    import os
+
+    target = os.path.join(path, META_FILE)
+    try:
+        with open(target) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{target}: not a ds-zero checkpoint (no {META_FILE})") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{target}: truncated or corrupt ({e})") from None
+
+
+def load_zero_checkpoint(zero: ZeroOptimizer, path: Any, *, load_optimizer: bool = True,
+                         extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Load a checkpoint directory written by `save_zero_checkpoint` on any world size and stage into
+    ``zero`` (every rank calls it); ``extra``: more DCP entries to read in place. Returns the metadata."""
+    meta = read_zero_metadata(path)
+    load_zero_state(zero, path, meta, load_optimizer=load_optimizer, extra=extra)
+    return meta

@@ -1,0 +1,141 @@
+"""Sharded checkpoints: a run saved at step 5 and resumed in new processes continues bit for bit
+(stages 0-2, fp32 and fp16 with loss scaling, CPU offload); a checkpoint of N ranks at stage s loads
+into M ranks at stage t with the master weights and Adam states element for element (every piece
+compared with the saved run's whole tensors); another model's checkpoint is refused by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import ds_comm
+from ds_comm.testing import spawn
+from ds_zero import ZeroOptimizer, load_zero_checkpoint, save_zero_checkpoint
+
+WIDTH, STEPS, SAVE_AT = 24, 8, 4
+
+
+def _model(extra: int = 0) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.LayerNorm(WIDTH), nn.Tanh(), nn.Linear(WIDTH, 4 + extra))
+
+
+def _zero(model, stage, precision="fp32", offload=False):
+    config = {"stage": stage, "reduce_bucket_size": 300}  # several buckets, parameters split across ranks
+    if offload:
+        config["offload_optimizer"] = {"device": "cpu"}
+    return ZeroOptimizer(model, torch.optim.AdamW, optimizer_kwargs={"lr": 1e-2}, config=config,
+                         fp16={"enabled": precision == "fp16", "initial_scale_power": 8, "auto_cast": True},
+                         gradient_clipping=1.0)
+
+
+def _train(zero, model, steps, rank, world_size, start=0):
+    for step in range(start, steps):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        zero.backward(model(torch.randn(8 // world_size, WIDTH, generator=g)).float().square().mean())
+        zero.step()
+        zero.zero_grad()
+
+
+def _params(model):
+    return [p.detach().float().clone() for p in model.parameters()]
+
+
+def continuation(rank, world_size, stage, precision, offload, path):
+    model = _model()
+    zero = _zero(model, stage, precision, offload)
+    _train(zero, model, SAVE_AT, rank, world_size)
+    save_zero_checkpoint(zero, path)
+    _train(zero, model, STEPS, rank, world_size, start=SAVE_AT)
+    uninterrupted = _params(model)
+    torch.manual_seed(123)  # a different init: everything must come from the checkpoint
+    resumed_model = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.LayerNorm(WIDTH), nn.Tanh(), nn.Linear(WIDTH, 4))
+    resumed = _zero(resumed_model, stage, precision, offload)
+    load_zero_checkpoint(resumed, path)
+    _train(resumed, resumed_model, STEPS, rank, world_size, start=SAVE_AT)
+    same = all(torch.equal(a, b) for a, b in zip(uninterrupted, _params(resumed_model), strict=True))
+    return same, resumed.loss_scale, zero.loss_scale
+
+
+@pytest.mark.parametrize("stage, precision, offload", [(0, "fp32", False), (1, "fp32", False), (2, "fp32", False),
+                                                       (2, "fp16", False), (2, "fp32", True)])
+def test_a_resumed_run_continues_bit_for_bit(tmp_path, stage, precision, offload):
+    for same, resumed_scale, scale in spawn(continuation, world_size=2,
+                                            args=(stage, precision, offload, str(tmp_path / "ck"))):
+        assert same
+        assert resumed_scale == scale
+
+
+def _whole(zero, model, stage, world_size) -> dict[str, list[float]]:
+    """Every parameter and both Adam moments, whole, by parameter name: at stage 0 a rank holds them
+    all; at stages 1-2 each rank's pieces are summed over ranks (they are disjoint)."""
+    names = {id(q): n for n, q in model.named_parameters()}
+    whole = {f"master/{n}": p.detach().clone().flatten() for n, p in model.named_parameters()}
+    for key in ("exp_avg", "exp_avg_sq"):
+        moments = {n: torch.zeros(p.numel()) for n, p in model.named_parameters()}
+        for rank in range(world_size) if stage == 0 else [zero.rank]:
+            for piece in zero.layout.pieces(rank):
+                tensor = zero.optimizer.state[zero._step_params[piece.bucket]][key]
+                slot, bucket = zero.layout.slots[piece.index], zero.layout.buckets[piece.bucket]
+                at = (slot.offset + piece.param_offset - bucket.offset) if stage == 0 else \
+                    piece.partition_offset - zero._shard_starts[piece.bucket]
+                moments[names[id(zero._params[piece.index])]][piece.param_offset:piece.param_offset + piece.numel] = \
+                    tensor[at:at + piece.numel]
+        for name, tensor in moments.items():
+            if stage > 0 and world_size > 1:
+                ds_comm.all_reduce(tensor)
+            whole[f"{key}/{name}"] = tensor
+    return {k: v.tolist() for k, v in whole.items()}  # plain lists: tensors do not travel back from a rank
+
+
+def save_run(rank, world_size, stage, path):
+    model = _model()
+    zero = _zero(model, stage)
+    _train(zero, model, SAVE_AT, rank, world_size)
+    save_zero_checkpoint(zero, path)
+    return _whole(zero, model, stage, world_size)
+
+
+def load_elsewhere(rank, world_size, stage, path):
+    model = _model()
+    zero = _zero(model, stage)
+    load_zero_checkpoint(zero, path)
+    whole = _whole(zero, model, stage, world_size)
+    step = {float(zero.optimizer.state[t]["step"]) for t in zero._step_params}
+    _train(zero, model, SAVE_AT + 1, rank, world_size, start=SAVE_AT)  # and it trains on
+    return whole, step
+
+
+@pytest.mark.parametrize("saved, loaded", [((2, 2), (1, 2)), ((1, 2), (2, 1)), ((2, 1), (2, 0)), ((2, 0), (2, 2))])
+def test_a_checkpoint_loads_on_another_world_size_or_stage(tmp_path, saved, loaded):
+    path = str(tmp_path / "ck")
+    truth = spawn(save_run, world_size=saved[0], args=(saved[1], path))[0]
+    for whole, step in spawn(load_elsewhere, world_size=loaded[0], args=(loaded[1], path)):
+        assert step == {float(SAVE_AT)}
+        assert sorted(whole) == sorted(truth)
+        for key in truth:
+            assert whole[key] == truth[key], key  # element for element
+
+
+def wrong_model(rank, world_size, path):
+    model = _model()
+    zero = _zero(model, 1)
+    _train(zero, model, 1, rank, world_size)
+    save_zero_checkpoint(zero, path)
+    other = _model(extra=1)
+    try:
+        load_zero_checkpoint(_zero(other, 1), path)
+    except ValueError as e:
+        return str(e)
+    return "NOT REFUSED"
+
+
+def test_another_models_checkpoint_is_refused_by_name(tmp_path):
+    for message in spawn(wrong_model, world_size=2, args=(str(tmp_path / "ck"),)):
+        assert "the checkpoint is of another model" in message
+        assert "3.weight: saved [4, 24], model [5, 24]" in message
+    with pytest.raises(FileNotFoundError, match="not a ds-zero checkpoint"):
+        from ds_zero import read_zero_metadata
+
+        read_zero_metadata(tmp_path)
