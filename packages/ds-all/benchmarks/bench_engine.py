@@ -3,8 +3,9 @@
 The GPT of ds-zero's benchmark (``packages/ds-zero/benchmarks/bench_zero.py``, loaded from its file:
 one definition of the workload), micro-batch 4 x 256 tokens per rank, 2 ranks x 1 thread on gloo,
 AdamW (torch's, in all three). Per configuration, fresh rank processes; time per step is the median
-of steps 3..N; rounds interleave the configurations, starting one further along each round, and the
-table gives the median over rounds. Also timed: ``initialize()`` (process group, ZeRO's buffers,
+of steps 3..N; each round runs every configuration, a stage's ds-zero and engine runs side by side in
+alternating order; the table gives the median over rounds, and for the engine also the median of its
+same-round ratio to ds-zero (the figure to read: the machine drifts between rounds). Also timed: ``initialize()`` (process group, ZeRO's buffers,
 optimizer, schedule) against DDP's setup (process group, ``DistributedDataParallel``, AdamW), both
 after imports, with the model built ("warm": nothing compiled or downloaded).
 
@@ -120,7 +121,12 @@ def main() -> None:
     per_step: dict[str, list[float]] = {k: [] for k in kinds}
     setup: dict[str, list[float]] = {k: [] for k in kinds}
     for r in range(args.rounds):
-        for kind in kinds[r % len(kinds):] + kinds[:r % len(kinds)]:
+        # each stage's ds-zero and engine runs are adjacent, in alternating order, so that their ratio
+        # is taken within minutes (this machine drifts by 10-20 % over a round); DDP moves around them
+        pairs = [[f"zero-{s}", f"engine-{s}"][::1 if r % 2 == 0 else -1] for s in args.stage]
+        order = [kind for pair in pairs for kind in pair]
+        order.insert(r % (len(order) + 1), "ddp")
+        for kind in order:
             name, _, stage = kind.partition("-")
             results = spawn(run, world_size=2, args=(name, int(stage or 0), args.gas, args.steps, _free_port()),
                             timeout=3600)
@@ -132,17 +138,23 @@ def main() -> None:
             print(f"  round {r + 1} {kind:<9} {per_step[kind][-1]:.3f} s/step  setup {setup[kind][-1]:.2f} s", flush=True)
     rows = []
     ddp = statistics.median(per_step["ddp"])
+    paired = {s: statistics.median(e / z for e, z in zip(per_step[f"engine-{s}"], per_step[f"zero-{s}"], strict=True))
+              for s in args.stage}
     for kind in kinds:
         seconds = statistics.median(per_step[kind])
         name, _, stage = kind.partition("-")
         direct = statistics.median(per_step[f"zero-{stage}"]) if name == "engine" else None
         rows.append({"config": kind, "s_per_step": seconds, "vs_ddp": seconds / ddp,
                      "engine_vs_zero_direct": seconds / direct if direct else None,
+                     "engine_vs_zero_paired": paired[int(stage)] if name == "engine" else None,
                      "setup_s": statistics.median(setup[kind])})
-    print(f"\n{'config':<10} {'s/step':>8} {'vs DDP':>8} {'vs ds-zero direct':>18} {'setup s':>8}")
+    print(f"\n{'config':<10} {'s/step':>8} {'vs DDP':>8} {'vs ds-zero direct':>18} {'same-round ratio':>17} "
+          f"{'setup s':>8}")
     for row in rows:
         versus = f"{row['engine_vs_zero_direct']:.3f}x" if row["engine_vs_zero_direct"] else "-"
-        print(f"{row['config']:<10} {row['s_per_step']:>8.3f} {row['vs_ddp']:>7.3f}x {versus:>18} {row['setup_s']:>8.2f}")
+        pair = f"{row['engine_vs_zero_paired']:.3f}x" if row["engine_vs_zero_paired"] else "-"
+        print(f"{row['config']:<10} {row['s_per_step']:>8.3f} {row['vs_ddp']:>7.3f}x {versus:>18} {pair:>17} "
+              f"{row['setup_s']:>8.2f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"steps": args.steps, "rounds": args.rounds, "gas": args.gas, "rows": rows}, f, indent=2)

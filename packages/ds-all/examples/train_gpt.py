@@ -1,6 +1,6 @@
 """The main job: a GPT trained from a DeepSpeed JSON on 2 ranks.
 
-    ds-launch --num_procs 2 examples/train_gpt.py [--config examples/ds_config_gpt.json] [--steps 40]
+    ds-launch --num_procs 2 examples/train_gpt.py [--config examples/ds_config_gpt.json] [--steps 30]
 
 The GPT of DESIGN.md §9 (pre-LN decoder, vocab 8192, d_model 512, 8 layers, 8 heads, sequence 256:
 about 34M parameters), trained by ``ds_all.initialize`` from the JSON next to this file: ZeRO with the
@@ -106,7 +106,7 @@ def bf16_is_emulated() -> float | None:
 def main() -> int:
     parser = argparse.ArgumentParser(description="Train a GPT with ds_all from a DeepSpeed JSON")
     parser.add_argument("--config", default=str(HERE / "ds_config_gpt.json"))
-    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto")
     parser.add_argument("--tiny", action="store_true", help="a small model (tests)")
     parser.add_argument("--local_rank", type=int, default=0)  # passed by ds-launch

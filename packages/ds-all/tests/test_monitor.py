@@ -89,16 +89,9 @@ def test_csv_tensorboard_and_wandb_get_the_engines_scalars(tmp_path, monkeypatch
 
 
 def test_a_monitor_without_its_package_says_how_to_install_it(monkeypatch):
-    import builtins
+    import sys
 
-    real_import = builtins.__import__
-
-    def no_wandb(name, *args, **kwargs):
-        if name == "wandb":
-            raise ImportError("No module named 'wandb'")
-        return real_import(name, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "__import__", no_wandb)
+    monkeypatch.setitem(sys.modules, "wandb", None)  # as if it were not installed: importing it fails
     config = ds_all.Config.load({"wandb": {"enabled": True}})
     with pytest.raises(ImportError, match=r"wandb.enabled is true but the wandb package is not installed"):
         ds_all.monitor.Monitors(config)

@@ -23,7 +23,48 @@ def loader(dataset: Any, *, batch_size: int, num_replicas: int, rank: int, drop_
         if isinstance(dataset, torch.utils.data.IterableDataset):
             raise ValueError("training_data is an IterableDataset, which a sampler cannot split between "
                              "data-parallel ranks: give each rank its own stream and build the DataLoader yourself")
-        data_sampler = DistributedSampler(dataset, num_replicas=num_replicas, rank=rank, drop_last=drop_last)
+        data_sampler = ResumableSampler(DistributedSampler(dataset, num_replicas=num_replicas, rank=rank,
+                                                           drop_last=drop_last))
+    # A generator of its own: each new iterator of a DataLoader draws a seed (for its workers) from its
+    # generator, by default torch's global one, which would shift the model's random stream (dropout)
+    # by where a loop starts iterating; a resumed run then could not continue bit for bit.
+    generator = torch.Generator().manual_seed(torch.initial_seed())
     return DataLoader(dataset, batch_size=batch_size, sampler=data_sampler, collate_fn=collate_fn,
                       drop_last=drop_last, pin_memory=pin_memory and torch.cuda.is_available(),
-                      num_workers=num_workers)
+                      num_workers=num_workers, generator=generator)
+
+
+class ResumableSampler(torch.utils.data.Sampler):
+    """A sampler that knows how far its current pass got (``state_dict``) and, loaded with that, skips
+    what was consumed on its next pass: a resumed run sees the batches the interrupted one had not.
+    Exact with ``num_workers=0`` (worker processes fetch indices ahead). ``set_epoch`` is forwarded."""
+
+    def __init__(self, inner: torch.utils.data.Sampler) -> None:
+        self.inner = inner
+        self.epoch = 0
+        self.consumed = 0  # indices handed out in the current pass
+        self._skip = 0
+
+    def __iter__(self):
+        skip, self._skip = self._skip, 0
+        self.consumed = skip
+        for position, index in enumerate(self.inner):
+            if position < skip:
+                continue
+            self.consumed += 1
+            yield index
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+        if hasattr(self.inner, "set_epoch"):
+            self.inner.set_epoch(epoch)
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "consumed": self.consumed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.set_epoch(int(state["epoch"]))
+        self._skip = int(state["consumed"])

@@ -21,7 +21,7 @@ import ds_comm
 from ds_profiler import FlopsProfiler
 from ds_zero import ZeroOptimizer
 
-from . import _client, _data, checkpointing
+from . import _checkpoint, _client, _data, checkpointing
 from ._optimizers import build_optimizer
 from ._scheduler_config import build_scheduler
 from ._timers import ALLREDUCE, BACKWARD, FORWARD, STEP, Timers
@@ -60,13 +60,18 @@ class DeepSpeedEngine(nn.Module):
                 gradient_clipping=config.gradient_clipping,
                 gradient_accumulation_steps=config.gradient_accumulation_steps,
                 communication_data_type=config.communication_data_type, group=self.data_parallel_group)
-        self.lr_scheduler = self._scheduler(lr_scheduler)
-        self.training_dataloader = self.deepspeed_io(training_data, collate_fn=collate_fn) \
-            if training_data is not None else None
-        ds_comm.configure(config.comms_logger)
-        if "activation_checkpointing" in config.model_fields_set:
-            checkpointing.configure(mpu, deepspeed_config=config.activation_checkpointing)
-        self.monitor = Monitors(config, rank=self.global_rank)
+        try:  # what fails from here leaves no ZeRO hook on the caller's model
+            self.lr_scheduler = self._scheduler(lr_scheduler)
+            self.training_dataloader = self.deepspeed_io(training_data, collate_fn=collate_fn) \
+                if training_data is not None else None
+            ds_comm.configure(config.comms_logger)
+            if "activation_checkpointing" in config.model_fields_set:
+                checkpointing.configure(mpu, deepspeed_config=config.activation_checkpointing)
+            self.monitor = Monitors(config, rank=self.global_rank)
+        except BaseException:
+            if self.zero is not None:
+                self.zero.close()
+            raise
         self.flops_profiler: FlopsProfiler | None = None
         self._profiling = False
         self._losses: torch.Tensor | None = None  # the mean loss of this accumulation (rank's own)
@@ -285,6 +290,32 @@ class DeepSpeedEngine(nn.Module):
 
     def steps_per_print(self) -> int:
         return self.config.steps_per_print
+
+    # ---------------------------------------------------------------------------- checkpoints
+    def save_checkpoint(self, save_dir: Any, tag: str | None = None, client_state: dict | None = None,
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
+        """Save everything this run needs to continue exactly under ``save_dir/tag`` (default
+        ``global_step<N>``) and name it in ``save_dir/latest``; every rank calls it. Written under a
+        temporary name and renamed into place: an interrupted save never replaces a complete one.
+        ``client_state``: JSON values and tensors, returned by `load_checkpoint`."""
+        return _checkpoint.save_checkpoint(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
+
+    def load_checkpoint(self, load_dir: Any, tag: str | None = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False) -> tuple[str | None, dict | None]:
+        """Load ``load_dir/tag`` (default: the tag ``latest`` names), saved on any world size and ZeRO
+        stage; returns ``(path, client_state)``, or ``(None, None)`` when there is nothing to load."""
+        return _checkpoint.load_checkpoint(self, load_dir, tag, load_module_strict, load_optimizer_states,
+                                           load_lr_scheduler_states, load_module_only)
+
+    def _loader_state(self) -> dict | None:
+        sampler = getattr(self.training_dataloader, "sampler", None)
+        return sampler.state_dict() if isinstance(sampler, _data.ResumableSampler) else None
+
+    def _restore_loader(self, state: dict | None) -> None:
+        sampler = getattr(self.training_dataloader, "sampler", None)
+        if state is not None and isinstance(sampler, _data.ResumableSampler):
+            sampler.load_state_dict(state)
 
     # ----------------------------------------------------------------------------- lifecycle
     def destroy(self) -> None:

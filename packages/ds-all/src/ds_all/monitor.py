@@ -18,6 +18,17 @@ from typing import Any
 Event = tuple[str, float, int]
 
 
+def _require(module: str, section: str, package: str) -> Any:
+    """``module`` imported, or an ImportError saying which section needs which package."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise ImportError(f"{section}.enabled is true but the {package} package is not installed: pip install "
+                          f"{package} (or ds-all[monitors])") from e
+
+
 class TensorBoardMonitor:
     """Scalars through ``torch.utils.tensorboard.SummaryWriter`` into ``output_path/job_name``
     (``output_path`` empty: ``./runs``). Needs the ``tensorboard`` package."""
@@ -25,13 +36,9 @@ class TensorBoardMonitor:
     section = "tensorboard"
 
     def __init__(self, section: Any) -> None:
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError as e:
-            raise ImportError("tensorboard.enabled is true but the tensorboard package is not installed: "
-                              "pip install tensorboard (or ds-all[monitors])") from e
+        summary = _require("torch.utils.tensorboard", "tensorboard", "tensorboard")
         self.path = Path(section.output_path or "runs") / section.job_name
-        self._writer = SummaryWriter(log_dir=str(self.path))
+        self._writer = summary.SummaryWriter(log_dir=str(self.path))
 
     def write_events(self, events: list[Event]) -> None:
         for name, value, step in events:
@@ -77,11 +84,7 @@ class WandbMonitor:
     section = "wandb"
 
     def __init__(self, section: Any) -> None:
-        try:
-            import wandb
-        except ImportError as e:
-            raise ImportError("wandb.enabled is true but the wandb package is not installed: pip install wandb "
-                              "(or ds-all[monitors])") from e
+        wandb = _require("wandb", "wandb", "wandb")
         self.run = wandb.init(project=section.project, group=section.group, entity=section.team, reinit="create_new")
         self.path = Path(self.run.dir).parent  # the run's folder (its .wandb file, files/, logs/)
 

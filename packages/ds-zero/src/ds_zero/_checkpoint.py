@@ -94,38 +94,44 @@ def _tensor_states(zero: ZeroOptimizer) -> tuple[list[str], list[str]]:
     return sized, scalars
 
 
+def _piece_entries(zero: ZeroOptimizer, sized: list[str]) -> dict[str, ShardedTensor]:
+    """``master/<name>`` and ``optim/<key>/<name>`` for every parameter: ShardedTensors whose local shard
+    is a view of this rank's piece (nothing, where it holds none). DCP reads them to save and writes
+    into them to load."""
+    names, by_param, master = _names(zero), _pieces_by_param(zero), _master(zero)
+    dtypes = {key: zero.optimizer.state[zero._step_params[0]][key].dtype for key in sized}
+    views: dict[int, tuple[Any, int, torch.Tensor, dict[str, torch.Tensor]]] = {}
+    for piece, in_master, in_step in _my_pieces(zero):
+        state = zero.optimizer.state[zero._step_params[piece.bucket]]
+        views[piece.index] = (piece.param_offset, piece.numel, master[in_master:in_master + piece.numel],
+                              {key: state[key][in_step:in_step + piece.numel] for key in sized})
+    out = {}
+    for index, name in enumerate(names):
+        numel, ranges = zero.layout.slots[index].numel, by_param[index]
+        start, _, weights, states = views.get(index, (0, 0, None, {}))
+        out[f"master/{name}"] = _sharded(weights, start, ranges, numel, torch.float32, zero.rank)
+        for key in sized:
+            out[f"optim/{key}/{name}"] = _sharded(states.get(key), start, ranges, numel, dtypes[key], zero.rank)
+    return out
+
+
+def _other_entries(zero: ZeroOptimizer) -> dict[str, torch.Tensor]:
+    """The module's tensors ZeRO does not hold (buffers, frozen parameters), replicated."""
+    trainable = {id(p) for p in zero._params}
+    return {f"module/{name}": tensor.detach() for name, tensor in [*zero.model.named_parameters(),
+                                                                   *zero.model.named_buffers()]
+            if id(tensor) not in trainable}
+
+
 def zero_state(zero: ZeroOptimizer) -> dict[str, Any]:
     """This rank's part of the checkpoint as a DCP state dict (see the module docstring)."""
-    names, by_param = _names(zero), _pieces_by_param(zero)
-    master, out = _master(zero), {}
     sized, scalars = _tensor_states(zero)
-    for piece, in_master, in_step in _my_pieces(zero):
-        name, numel = names[piece.index], zero.layout.slots[piece.index].numel
-        ranges = by_param[piece.index]
-        out[f"master/{name}"] = _sharded(master[in_master:in_master + piece.numel], piece.param_offset, ranges,
-                                         numel, torch.float32, zero.rank)
-        state = zero.optimizer.state[zero._step_params[piece.bucket]]
-        for key in sized:
-            tensor = state[key]
-            out[f"optim/{key}/{name}"] = _sharded(tensor[in_step:in_step + piece.numel], piece.param_offset, ranges,
-                                                  numel, tensor.dtype, zero.rank)
-    mine = {piece.index for piece in zero.layout.pieces(zero.rank)}
-    for index, name in enumerate(names):  # parameters this rank holds no piece of still need an entry
-        if index not in mine:
-            numel = zero.layout.slots[index].numel
-            out[f"master/{name}"] = _sharded(None, 0, by_param[index], numel, torch.float32, zero.rank)
-            for key in sized:
-                dtype = zero.optimizer.state[zero._step_params[0]][key].dtype
-                out[f"optim/{key}/{name}"] = _sharded(None, 0, by_param[index], numel, dtype, zero.rank)
-    if scalars:
-        first = zero.optimizer.state[zero._step_params[0]]
-        for key in scalars:
-            value = first[key]
-            out[f"optim_scalar/{key}"] = value.detach().clone() if torch.is_tensor(value) else torch.tensor(value)
-    trainable = {id(p) for p in zero._params}
-    for name, tensor in [*zero.model.named_parameters(), *zero.model.named_buffers()]:
-        if id(tensor) not in trainable:
-            out[f"module/{name}"] = tensor.detach()
+    out: dict[str, Any] = _piece_entries(zero, sized)
+    first = zero.optimizer.state[zero._step_params[0]] if scalars else {}
+    for key in scalars:
+        value = first[key]
+        out[f"optim_scalar/{key}"] = value.detach().clone() if torch.is_tensor(value) else torch.tensor(value)
+    out.update(_other_entries(zero))
     return out
 
 
@@ -170,40 +176,21 @@ def load_zero_state(zero: ZeroOptimizer, checkpoint_id: Any, meta: dict[str, Any
         for key in sized:
             if key not in state:
                 state[key] = torch.zeros_like(tensor)
-    names, by_param, master = _names(zero), _pieces_by_param(zero), _master(zero)
     wanted: dict[str, Any] = {}
     if zero.stage == 0:  # every rank holds everything: whole tensors, read from whichever shards hold them
-        for index, name in enumerate(names):
+        master = _master(zero)
+        for index, name in enumerate(_names(zero)):
             slot = zero.layout.slots[index]
             wanted[f"master/{name}"] = master[slot.offset:slot.offset + slot.numel]
-            bucket = zero.layout.buckets[slot.bucket]
+            at = slot.offset - zero.layout.buckets[slot.bucket].offset
             for key in sized:
-                at = slot.offset - bucket.offset
-                wanted[f"optim/{key}/{name}"] = zero.optimizer.state[zero._step_params[slot.bucket]][key][at:at + slot.numel]
+                state = zero.optimizer.state[zero._step_params[slot.bucket]]
+                wanted[f"optim/{key}/{name}"] = state[key][at:at + slot.numel]
     else:
-        mine = set()
-        for piece, in_master, in_step in _my_pieces(zero):
-            name, numel, ranges = names[piece.index], zero.layout.slots[piece.index].numel, by_param[piece.index]
-            mine.add(piece.index)
-            wanted[f"master/{name}"] = _sharded(master[in_master:in_master + piece.numel], piece.param_offset,
-                                                ranges, numel, torch.float32, zero.rank)
-            state = zero.optimizer.state[zero._step_params[piece.bucket]]
-            for key in sized:
-                wanted[f"optim/{key}/{name}"] = _sharded(state[key][in_step:in_step + piece.numel], piece.param_offset,
-                                                         ranges, numel, state[key].dtype, zero.rank)
-        for index, name in enumerate(names):
-            if index not in mine:
-                numel = zero.layout.slots[index].numel
-                wanted[f"master/{name}"] = _sharded(None, 0, by_param[index], numel, torch.float32, zero.rank)
-                for key in sized:
-                    dtype = zero.optimizer.state[zero._step_params[0]][key].dtype
-                    wanted[f"optim/{key}/{name}"] = _sharded(None, 0, by_param[index], numel, dtype, zero.rank)
+        wanted.update(_piece_entries(zero, sized))
     scalar_values = {key: torch.zeros(()) for key in scalars}
     wanted.update({f"optim_scalar/{key}": value for key, value in scalar_values.items()})
-    trainable = {id(p) for p in zero._params}
-    for name, tensor in [*zero.model.named_parameters(), *zero.model.named_buffers()]:
-        if id(tensor) not in trainable and f"module/{name}" in saved_keys:
-            wanted[f"module/{name}"] = tensor.data
+    wanted.update({key: tensor for key, tensor in _other_entries(zero).items() if key in saved_keys})
     wanted.update(extra or {})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)

@@ -1,0 +1,223 @@
+"""The engine's checkpoints: ``save_checkpoint``/``load_checkpoint`` with DeepSpeed's names, tags and
+``latest`` file, on top of ds-zero's sharded checkpoint (DCP), so a checkpoint loads on another world
+size or ZeRO stage with no offline step.
+
+A tag directory holds DCP's files (ZeRO's shards, each rank's random states, the client's tensors),
+``zero_meta.json`` and ``engine_meta.json`` (counters, the schedule, the data loader's position, the
+client's plain values). It is written under a temporary name (``.<tag>.partial``), every file fsynced,
+then renamed into place; ``latest`` is replaced last, atomically. A save killed at any moment leaves
+the previous tag loadable and ``latest`` naming it; a partial tag is never loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+import ds_comm
+from ds_zero import load_zero_checkpoint, save_zero_checkpoint
+
+if TYPE_CHECKING:
+    from ._engine import DeepSpeedEngine
+
+logger = logging.getLogger("ds_all")
+
+LATEST = "latest"
+META_FILE = "engine_meta.json"
+FORMAT = 1
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    temporary = path.with_name(path.name + ".tmp")
+    with open(temporary, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(temporary, path)
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _check_tag(tag: Any) -> str:
+    if not isinstance(tag, str) or not tag or tag in (".", "..") or "/" in tag or tag.startswith("."):
+        raise ValueError(f"checkpoint tag must be a non-empty name without '/' that does not start with '.', got {tag!r}")
+    return tag
+
+
+def _validate_tag_across_ranks(engine: DeepSpeedEngine, tag: str) -> None:
+    mode = engine.config.checkpoint.tag_validation
+    if mode == "Ignore" or engine.world_size == 1:
+        return
+    tags: list[Any] = [None] * engine.world_size
+    torch.distributed.all_gather_object(tags, tag)
+    if len(set(tags)) > 1:
+        message = f"checkpoint tags differ across ranks: {tags}"
+        if mode == "Fail":
+            raise ValueError(message + " (checkpoint.tag_validation is Fail)")
+        logger.warning("%s (checkpoint.tag_validation is Warn)", message)
+
+
+def _split_client_state(client_state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """Plain values (saved as JSON) and tensors (saved with DCP); anything else is refused, so loading
+    never unpickles an object."""
+    if not isinstance(client_state, dict):
+        raise ValueError(f"client_state must be a dict, got {type(client_state).__name__}")
+    plain, tensors = {}, {}
+    for key, value in client_state.items():
+        if not isinstance(key, str) or "/" in key:
+            raise ValueError(f"client_state keys must be strings without '/', got {key!r}")
+        if torch.is_tensor(value):
+            tensors[key] = value.detach().cpu()
+            continue
+        try:
+            json.dumps(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"client_state[{key!r}] is a {type(value).__name__}: only JSON values (numbers, strings, "
+                             "lists, dicts, None) and tensors are saved, so that loading executes nothing") from None
+        plain[key] = value
+    return plain, tensors
+
+
+def _rng_states() -> dict[str, torch.Tensor]:
+    rank = ds_comm.get_rank()
+    states = {f"rng/{rank}/cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states[f"rng/{rank}/cuda"] = torch.cuda.get_rng_state()
+    return states
+
+
+def save_checkpoint(engine: DeepSpeedEngine, save_dir: Any, tag: str | None = None, client_state: dict | None = None,
+                    save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
+    zero = engine._require_optimizer("save_checkpoint")
+    if exclude_frozen_parameters:
+        raise NotImplementedError("save_checkpoint: exclude_frozen_parameters is not implemented; frozen "
+                                  "parameters are saved with the buffers")
+    tag = _check_tag(tag if tag is not None else f"global_step{engine.global_steps}")
+    plain, tensors = _split_client_state(client_state or {})
+    _validate_tag_across_ranks(engine, tag)
+    root = Path(save_dir)
+    partial, final = root / f".{tag}.partial", root / tag
+    if engine.global_rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(partial, ignore_errors=True)  # a save interrupted earlier
+        partial.mkdir()
+    ds_comm.barrier()
+    extra = {**_rng_states(), **{f"client/{k}": v for k, v in tensors.items()}}
+    save_zero_checkpoint(zero, partial, extra=extra)
+    if engine.global_rank == 0:
+        meta = {"format": FORMAT, "tag": tag, "world_size": engine.world_size, "dp_world_size": engine.dp_world_size,
+                "global_steps": engine.global_steps, "global_samples": engine.global_samples,
+                "micro_steps": engine.micro_steps, "zero_stage": engine.zero_optimization_stage(),
+                "lr_scheduler": _scheduler_state(engine), "data_loader": engine._loader_state(),
+                "client_state": plain, "client_tensors": sorted(tensors)}
+        _write_atomic(partial / META_FILE, json.dumps(meta))
+        _fsync_dir(partial)
+    ds_comm.barrier()  # every rank's shards are written and fsynced (DCP's sync_files)
+    if engine.global_rank == 0:
+        aside = root / f".{tag}.replaced"
+        if final.exists():
+            shutil.rmtree(aside, ignore_errors=True)
+            os.replace(final, aside)
+        os.replace(partial, final)
+        _fsync_dir(root)
+        shutil.rmtree(aside, ignore_errors=True)
+        if save_latest:
+            _write_atomic(root / LATEST, tag)
+    ds_comm.barrier()
+    return True
+
+
+def _scheduler_state(engine: DeepSpeedEngine) -> Any:
+    if engine.lr_scheduler is None or not hasattr(engine.lr_scheduler, "state_dict"):
+        return None
+    state = engine.lr_scheduler.state_dict()
+    try:
+        json.dumps(state)
+    except (TypeError, ValueError):
+        raise ValueError(f"save_checkpoint: the schedule's state ({type(engine.lr_scheduler).__name__}) holds values "
+                         "that are not plain data; it cannot be saved safely") from None
+    return state
+
+
+def _resolve_tag(root: Path, tag: str | None) -> str | None:
+    if tag is not None:
+        return _check_tag(tag)
+    latest = root / LATEST
+    if not latest.exists():
+        return None
+    return _check_tag(latest.read_text().strip())
+
+
+def load_checkpoint(engine: DeepSpeedEngine, load_dir: Any, tag: str | None = None, load_module_strict: bool = True,
+                    load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                    load_module_only: bool = False) -> tuple[str | None, dict | None]:
+    zero = engine._require_optimizer("load_checkpoint")
+    if not load_module_strict:
+        raise NotImplementedError("load_checkpoint: load_module_strict=False is not implemented; the checkpoint's "
+                                  "parameters must be the model's")
+    root = Path(load_dir)
+    tag = _resolve_tag(root, tag)
+    if tag is None:
+        logger.warning("load_checkpoint: %s has no '%s' file and no tag was given; nothing loaded", root, LATEST)
+        return None, None
+    path = root / tag
+    if not (path / META_FILE).exists():
+        if (root / f".{tag}.partial").exists():
+            raise FileNotFoundError(f"load_checkpoint: {path} was never completed (its save was interrupted: "
+                                    f"{root / f'.{tag}.partial'}); load another tag")
+        raise FileNotFoundError(f"load_checkpoint: {path} is not a checkpoint (no {META_FILE})")
+    try:
+        meta = json.loads((path / META_FILE).read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"load_checkpoint: {path / META_FILE} is corrupt ({e})") from None
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"load_checkpoint: {path} has format {meta.get('format')!r}; this ds-all reads {FORMAT}")
+    rank = engine.global_rank
+    same_world = meta["world_size"] == engine.world_size
+    extra: dict[str, torch.Tensor] = {}
+    rng = torch.get_rng_state()
+    if same_world:  # each rank's own random state; on another world size the ranks' streams differ anyway
+        extra[f"rng/{rank}/cpu"] = rng
+    client_tensors = _client_tensors(path, meta["client_tensors"])
+    extra.update({f"client/{k}": v for k, v in client_tensors.items()})
+    optimizer_too = load_optimizer_states and not load_module_only
+    load_zero_checkpoint(zero, path, load_optimizer=optimizer_too, extra=extra)
+    if same_world:
+        torch.set_rng_state(rng)
+    if not load_module_only:
+        engine.global_steps, engine.global_samples = meta["global_steps"], meta["global_samples"]
+        engine.micro_steps = meta["micro_steps"]
+        if same_world:  # a position in another world size's split of the data means nothing here
+            engine._restore_loader(meta.get("data_loader"))
+        if load_lr_scheduler_states and engine.lr_scheduler is not None and meta["lr_scheduler"] is not None:
+            engine.lr_scheduler.load_state_dict(meta["lr_scheduler"])
+    client_state = {**meta["client_state"], **client_tensors}
+    return str(path), client_state
+
+
+def _client_tensors(path: Path, keys: list[str]) -> dict[str, torch.Tensor]:
+    if not keys:
+        return {}
+    import torch.distributed.checkpoint as dcp
+
+    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    out = {}
+    for key in keys:
+        md = saved.get(f"client/{key}")
+        if md is None:
+            raise ValueError(f"load_checkpoint: {path} lists client tensor {key!r} but does not hold it")
+        out[key] = torch.empty(md.size, dtype=md.properties.dtype)
+    return out

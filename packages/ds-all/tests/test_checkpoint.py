@@ -1,0 +1,149 @@
+"""engine.save_checkpoint / load_checkpoint: a run resumed from its checkpoint in new processes
+continues bit for bit (weights, schedule, data loader position, random state, client state); a
+checkpoint of 2 ranks at stage 2 loads on 1 rank at stage 1 and trains on; an interrupted save is never
+loaded and never named by ``latest``; bad tags and missing checkpoints are named."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from torch import nn
+
+import ds_all
+from ds_comm.testing import spawn
+
+SAVE_AT, STEPS = 3, 6
+
+
+def _config(stage: int, **extra) -> dict:
+    return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "steps_per_print": 1000,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
+            "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 1e-2, "warmup_num_steps": 4,
+                                                         "warmup_type": "linear"}},
+            "zero_optimization": {"stage": stage, "reduce_bucket_size": 200}, **extra}
+
+
+def _data() -> torch.utils.data.Dataset:
+    g = torch.Generator().manual_seed(7)
+    return torch.utils.data.TensorDataset(torch.randn(96, 8, generator=g), torch.randn(96, 1, generator=g))
+
+
+def _model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.1), nn.Tanh(), nn.Linear(16, 1))
+
+
+def _train(engine, batches, until: int) -> list[float]:
+    """Micro-steps until ``until`` optimizer steps, drawing exactly the batches trained on."""
+    losses = []
+    while engine.global_steps < until:
+        x, y = next(batches)
+        loss = nn.functional.mse_loss(engine(x), y)  # dropout: the random state matters too
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def first_run(rank, world_size, path, stage):
+    engine, _, loader, _ = ds_all.initialize(model=_model(), config=_config(stage), training_data=_data())
+    batches = iter(loader)
+    _train(engine, batches, SAVE_AT)
+    engine.save_checkpoint(path, client_state={"epoch": 3, "note": "hi", "ema": torch.arange(3.0)})
+    losses = _train(engine, batches, STEPS)  # the same pass goes on
+    weights = [p.detach().clone().tolist() for p in engine.module.parameters()]
+    engine.destroy()
+    return losses, weights
+
+
+def resumed_run(rank, world_size, path, stage):
+    engine, _, loader, _ = ds_all.initialize(model=_model(seed=99), config=_config(stage), training_data=_data())
+    loaded, client = engine.load_checkpoint(path)
+    assert engine.global_steps == SAVE_AT
+    losses = _train(engine, iter(loader), STEPS)  # the pass resumes where the checkpoint left it
+    weights = [p.detach().clone().tolist() for p in engine.module.parameters()]
+    lr = engine.get_lr()
+    engine.destroy()
+    return losses, weights, os.path.basename(loaded), {**client, "ema": client["ema"].tolist()}, lr
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_a_resumed_run_continues_bit_for_bit(tmp_path, stage):
+    path = str(tmp_path / "ck")
+    first = spawn(first_run, world_size=2, args=(path, stage))
+    second = spawn(resumed_run, world_size=2, args=(path, stage))
+    for (losses, weights), (resumed_losses, resumed_weights, tag, client, lr) in zip(first, second, strict=True):
+        assert resumed_losses == losses and len(losses) == (STEPS - SAVE_AT) * 2
+        assert resumed_weights == weights
+        assert tag == f"global_step{SAVE_AT}"
+        assert client == {"epoch": 3, "note": "hi", "ema": [0.0, 1.0, 2.0]}
+        assert lr == [1e-2 * (STEPS - 1) / 4 if STEPS - 1 < 4 else 1e-2]
+    assert (tmp_path / "ck" / "latest").read_text() == f"global_step{SAVE_AT}"
+    assert not [p for p in (tmp_path / "ck").iterdir() if p.name.startswith(".")]  # no partial left behind
+
+
+def save_on_two(rank, world_size, path):
+    engine, _, loader, _ = ds_all.initialize(model=_model(), config=_config(2), training_data=_data())
+    _train(engine, iter(loader), SAVE_AT)
+    engine.save_checkpoint(path, tag="two_ranks")
+    weights = [p.detach().clone().tolist() for p in engine.module.parameters()]
+    engine.destroy()
+    return weights
+
+
+def load_on_one(rank, world_size, path):
+    config = _config(1, train_micro_batch_size_per_gpu=4)
+    engine, _, loader, _ = ds_all.initialize(model=_model(seed=5), config=config, training_data=_data())
+    engine.load_checkpoint(path, tag="two_ranks")
+    weights = [p.detach().clone().tolist() for p in engine.module.parameters()]
+    steps = engine.global_steps
+    losses = _train(engine, iter(loader), SAVE_AT + 2)
+    engine.destroy()
+    return weights, steps, losses
+
+
+def test_a_checkpoint_of_two_ranks_at_stage_2_loads_on_one_rank_at_stage_1(tmp_path):
+    path = str(tmp_path / "ck")
+    saved = spawn(save_on_two, world_size=2, args=(path,))[0]
+    ((weights, steps, losses),) = spawn(load_on_one, world_size=1, args=(path,))
+    assert weights == saved and steps == SAVE_AT
+    assert len(losses) == 4 and all(loss == loss for loss in losses)
+
+
+def refusals(rank, world_size, path):
+    engine, *_ = ds_all.initialize(model=_model(), config=_config(1))
+    out = {"nothing": engine.load_checkpoint(path)}
+    for name, call, error in (
+        ("bad tag", lambda: engine.save_checkpoint(path, tag="a/b"), ValueError),
+        ("object in client state", lambda: engine.save_checkpoint(path, client_state={"f": object()}), ValueError),
+        ("missing tag", lambda: engine.load_checkpoint(path, tag="nope"), FileNotFoundError),
+    ):
+        try:
+            call()
+            out[name] = "NOT REFUSED"
+        except error as e:
+            out[name] = str(e)
+    engine.save_checkpoint(path, tag="good")
+    if rank == 0:  # a save that died before its rename: the partial directory is reported, not loaded
+        os.makedirs(os.path.join(path, ".broken.partial"))
+    try:
+        engine.load_checkpoint(path, tag="broken")
+        out["partial"] = "NOT REFUSED"
+    except FileNotFoundError as e:
+        out["partial"] = str(e)
+    engine.destroy()
+    return out
+
+
+def test_bad_tags_and_missing_or_partial_checkpoints_are_named(tmp_path):
+    out = spawn(refusals, world_size=2, args=(str(tmp_path / "ck"),))[0]
+    assert out["nothing"] == (None, None)
+    assert "checkpoint tag must be a non-empty name without '/'" in out["bad tag"]
+    assert "client_state['f'] is a object: only JSON values" in out["object in client state"]
+    assert "ck/nope is not a checkpoint (no engine_meta.json)" in out["missing tag"]
+    assert "was never completed (its save was interrupted" in out["partial"]
+    meta = json.loads((tmp_path / "ck" / "good" / "engine_meta.json").read_text())
+    assert meta["world_size"] == 2 and meta["tag"] == "good"
