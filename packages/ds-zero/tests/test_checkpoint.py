@@ -139,3 +139,77 @@ def test_another_models_checkpoint_is_refused_by_name(tmp_path):
         from ds_zero import read_zero_metadata
 
         read_zero_metadata(tmp_path)
+
+
+def save_for_export(rank, world_size, path):
+    model = _model()
+    zero = _zero(model, 2)
+    _train(zero, model, 2, rank, world_size)
+    save_zero_checkpoint(zero, path)
+    return {k: v.tolist() for k, v in model.state_dict().items()}
+
+
+def test_the_fp32_export_reads_every_shard_in_one_process(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from ds_zero import (
+        get_fp32_state_dict_from_zero_checkpoint,
+        load_state_dict_from_zero_checkpoint,
+    )
+
+    path = tmp_path / "ck"
+    expected = spawn(save_for_export, world_size=2, args=(str(path),))[0]
+    state = get_fp32_state_dict_from_zero_checkpoint(path)  # no process group here
+    assert list(state) == list(expected)
+    assert {k: v.tolist() for k, v in state.items()} == expected
+    assert load_state_dict_from_zero_checkpoint(_model(extra=0), path).state_dict()["0.weight"].tolist() == \
+        expected["0.weight"]
+    safetensors = pytest.importorskip("safetensors.torch", reason="pip install safetensors (ds-zero[safetensors])")
+    out = tmp_path / "model.safetensors"
+    result = subprocess.run([sys.executable, "-m", "ds_zero._export", str(path), str(out), "--safetensors",
+                             "--max_shard_size", "1KB"], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 1 and all(f.startswith("model-0000") for f in files)
+    loaded = {}
+    for name in files:
+        loaded.update(safetensors.load_file(str(tmp_path / name)))
+    assert {k: v.tolist() for k, v in loaded.items()} == expected
+    bad = subprocess.run([sys.executable, "-m", "ds_zero._export", str(tmp_path / "nothing"), str(out)],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "neither a ZeRO checkpoint" in bad.stderr
+
+
+class _Payload:
+    """Unpickling this creates a file: the proof that loading ran code."""
+
+    def __init__(self, target: str) -> None:
+        self.target = target
+
+    def __reduce__(self):
+        return (open, (self.target, "w"))
+
+
+def test_a_crafted_checkpoint_executes_nothing(tmp_path):
+    import pickle
+
+    from ds_zero import get_fp32_state_dict_from_zero_checkpoint
+
+    path = tmp_path / "ck"
+    spawn(save_for_export, world_size=2, args=(str(path),))
+    proof = tmp_path / "pwned"
+    metadata = path / ".metadata"
+    original = metadata.read_bytes()
+    metadata.write_bytes(pickle.dumps(_Payload(str(proof))))  # DCP itself would pickle.load this
+    with pytest.raises(ValueError, match=r"refusing to load: its metadata asks for io\.open|builtins\.open"):
+        get_fp32_state_dict_from_zero_checkpoint(path)
+    assert not proof.exists()
+    metadata.write_bytes(original[: len(original) // 2])  # torn
+    with pytest.raises(ValueError, match="truncated or corrupt"):
+        get_fp32_state_dict_from_zero_checkpoint(path)
+    metadata.unlink()
+    with pytest.raises(FileNotFoundError, match="missing"):
+        get_fp32_state_dict_from_zero_checkpoint(path)

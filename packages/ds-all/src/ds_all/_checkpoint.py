@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 import ds_comm
-from ds_zero import load_zero_checkpoint, save_zero_checkpoint
+from ds_zero import SafeReader, load_zero_checkpoint, save_zero_checkpoint
 
 if TYPE_CHECKING:
     from ._engine import DeepSpeedEngine
@@ -211,9 +211,7 @@ def load_checkpoint(engine: DeepSpeedEngine, load_dir: Any, tag: str | None = No
 def _client_tensors(path: Path, keys: list[str]) -> dict[str, torch.Tensor]:
     if not keys:
         return {}
-    import torch.distributed.checkpoint as dcp
-
-    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    saved = SafeReader(str(path)).read_metadata().state_dict_metadata
     out = {}
     for key in keys:
         md = saved.get(f"client/{key}")

@@ -9,18 +9,20 @@ optimizer (ZeRO-Offload); stage 3 and NVMe are refused with a message until they
 package README).
 """
 
-from ._checkpoint import load_zero_checkpoint, read_zero_metadata, save_zero_checkpoint
+from ._checkpoint import SafeReader, load_zero_checkpoint, read_zero_metadata, save_zero_checkpoint
 from ._estimate import (
                         estimate_zero2_model_states_mem_needs_all_cold,
                         estimate_zero2_model_states_mem_needs_all_live,
                         estimate_zero_model_states_mem_needs,
 )
+from ._export import get_fp32_state_dict_from_zero_checkpoint, load_state_dict_from_zero_checkpoint
 from ._optimizer import ZeroOptimizer
 from .config import BF16Config, FP16Config, OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig
 
 __version__ = "0.1.0"
 
-__all__ = ["BF16Config", "FP16Config", "OffloadOptimizerConfig", "OffloadParamConfig", "ZeroConfig", "ZeroOptimizer",
-           "__version__", "estimate_zero2_model_states_mem_needs_all_cold",
+__all__ = ["BF16Config", "FP16Config", "OffloadOptimizerConfig", "OffloadParamConfig", "SafeReader", "ZeroConfig",
+           "ZeroOptimizer", "__version__", "estimate_zero2_model_states_mem_needs_all_cold",
            "estimate_zero2_model_states_mem_needs_all_live", "estimate_zero_model_states_mem_needs",
-           "load_zero_checkpoint", "read_zero_metadata", "save_zero_checkpoint"]
+           "get_fp32_state_dict_from_zero_checkpoint", "load_state_dict_from_zero_checkpoint", "load_zero_checkpoint",
+           "read_zero_metadata", "save_zero_checkpoint"]

@@ -39,6 +39,61 @@ with warnings.catch_warnings():
 FORMAT = 1  # bumped when the layout of keys changes
 
 
+class _MetadataUnpickler:
+    """DCP pickles its ``.metadata`` and reads it back with plain ``pickle.load``: a crafted file would run
+    code. This unpickler builds only what DCP's metadata is made of (its dataclasses, torch.Size,
+    dtypes, layouts, paths) and refuses anything else by name."""
+
+    ALLOWED_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
+    ALLOWED = {("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("torch", "Size"),
+               ("torch.serialization", "_get_layout"), ("collections", "OrderedDict")}
+
+    @classmethod
+    def load(cls, file: Any, where: str) -> Any:
+        import pickle
+
+        allowed_modules, allowed = cls.ALLOWED_MODULES, cls.ALLOWED
+
+        class Restricted(pickle.Unpickler):
+            def find_class(self, module: str, name: str) -> Any:
+                dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+                if module in allowed_modules or (module, name) in allowed or dtype:
+                    return super().find_class(module, name)
+                raise ValueError(f"{where}: refusing to load: its metadata asks for {module}.{name}, which a DCP "
+                                 "checkpoint never holds (a crafted file?)")
+
+        return Restricted(file).load()
+
+
+class SafeReader(dcp.FileSystemReader):
+    """`dcp.FileSystemReader` that unpickles its metadata with `_MetadataUnpickler` and refuses entries
+    stored as pickled bytes (DCP's planner loads those with ``weights_only=False``): loading a
+    checkpoint executes nothing."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        import pickle
+
+        from torch.distributed.checkpoint.metadata import BytesStorageMetadata, StorageMeta
+
+        path = self._get_metadata_path(kwargs.get("rank"))
+        try:
+            with self.fs.create_stream(path, "rb") as f:
+                metadata = _MetadataUnpickler.load(f, str(path))
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{path}: missing (not a complete checkpoint)") from None
+        except (EOFError, ValueError, AttributeError, ImportError, IndexError, TypeError, pickle.UnpicklingError) as e:
+            if isinstance(e, ValueError) and "refusing to load" in str(e):
+                raise
+            raise ValueError(f"{path}: truncated or corrupt ({type(e).__name__}: {e})") from None
+        pickled = sorted(k for k, v in metadata.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata))
+        if pickled:
+            raise ValueError(f"{path}: refusing to load entries stored as pickled objects: {pickled[:5]}")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
 def _sharded(local: torch.Tensor | None, start: int, ranges: list[tuple[int, int, int]], numel: int,
              dtype: torch.dtype, rank: int) -> ShardedTensor:
     """A 1-D `ShardedTensor` of ``numel`` elements whose shards are ``ranges`` ((rank, start, length));
@@ -168,7 +223,7 @@ def load_zero_state(zero: ZeroOptimizer, checkpoint_id: Any, meta: dict[str, Any
     """Load a checkpoint written by `zero_state` from any world size and stage into ``zero``, in place
     (every rank calls it; DCP reads only the ranges this rank holds)."""
     check_compatible(zero, meta, "ZeroOptimizer.load")
-    saved_keys = set(dcp.FileSystemReader(checkpoint_id).read_metadata().state_dict_metadata)
+    saved_keys = set(SafeReader(checkpoint_id).read_metadata().state_dict_metadata)
     sized = sorted({k.split("/")[1] for k in saved_keys if k.startswith("optim/")}) if load_optimizer else []
     scalars = sorted(k.split("/", 1)[1] for k in saved_keys if k.startswith("optim_scalar/")) if load_optimizer else []
     for tensor in zero._step_params:  # states the optimizer has not made yet (it has not stepped)
@@ -194,7 +249,7 @@ def load_zero_state(zero: ZeroOptimizer, checkpoint_id: Any, meta: dict[str, Any
     wanted.update(extra or {})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
-        dcp.load(wanted, storage_reader=dcp.FileSystemReader(checkpoint_id))
+        dcp.load(wanted, storage_reader=SafeReader(checkpoint_id))
     for key, value in scalar_values.items():
         for tensor in zero._step_params:
             zero.optimizer.state[tensor][key] = value.clone()
