@@ -41,7 +41,8 @@ nox.options.sessions = ["tests"]
 def _pytest(session: nox.Session, *args: str) -> None:
     # Only exit code 0 passes (nox's default, stated here on purpose): pytest's 5, "no tests ran",
     # fails the session like any other failure, since every package has tests.
-    session.run("pytest", *args, "-p", "no:cacheprovider", *session.posargs, success_codes=[0])
+    # --durations: the slowest tests in the log, to keep the whole run under its 30 minutes
+    session.run("pytest", *args, "-p", "no:cacheprovider", "--durations=8", *session.posargs, success_codes=[0])
 
 
 # System packages the tests use, per package: installed with apt-get when missing and we are root,

@@ -18,9 +18,9 @@ import ds_comm
 from ds_comm.testing import spawn
 
 CYCLES = 5
-# CI runs 10 (each run is two fresh interpreters importing torch: ~5 s here); the figure, 0
+# CI runs 5 (each run is two fresh interpreters importing torch: ~5 s here); the figure, 0
 # aborts over 40 runs, is DS_ALL_EXIT_RUNS=40 (ds-comm's own exit test runs 40 in its standalone session)
-RUNS = int(os.environ.get("DS_ALL_EXIT_RUNS", "10"))
+RUNS = int(os.environ.get("DS_ALL_EXIT_RUNS", "5"))
 
 
 def _rss_bytes() -> int:
