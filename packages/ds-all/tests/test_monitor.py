@@ -5,7 +5,6 @@ against what the engine reported at each step."""
 from __future__ import annotations
 
 import csv
-import os
 from pathlib import Path
 
 import pytest
@@ -97,8 +96,8 @@ def test_a_monitor_without_its_package_says_how_to_install_it(monkeypatch):
         ds_all.monitor.Monitors(config)
 
 
-def test_no_monitor_enabled_writes_nothing(tmp_path):
-    os.chdir(tmp_path)
+def test_no_monitor_enabled_writes_nothing(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # restored after the test: later tests keep their working directory
     monitors = ds_all.monitor.Monitors(ds_all.Config.load({}))
     assert not monitors.enabled and monitors.paths() == {}
     monitors.write_events([("Train/Samples/lr", 1.0, 1)])
