@@ -4,25 +4,35 @@
                                  config={"stage": 2}, bf16={"enabled": True})
     zero.backward(loss); zero.step(); zero.zero_grad()
 
-Stages 0-2 in float32, fp16 (loss scaling) and bf16 with a float32 master copy, CPU offload of the
-optimizer (ZeRO-Offload); stage 3 and NVMe are refused with a message until they land (see the
-package README).
+Stages 0-3 in float32, fp16 (loss scaling) and bf16 with a float32 master copy, CPU offload of the
+optimizer (ZeRO-Offload); at stage 3 `Init` builds a model already partitioned and
+`GatheredParameters` makes parameters whole for a while. NVMe (ZeRO-Infinity) is refused with a
+message until it lands (see the package README).
 """
 
 from ._checkpoint import SafeReader, load_zero_checkpoint, read_zero_metadata, save_zero_checkpoint
 from ._estimate import (
                         estimate_zero2_model_states_mem_needs_all_cold,
                         estimate_zero2_model_states_mem_needs_all_live,
+                        estimate_zero3_model_states_mem_needs_all_cold,
+                        estimate_zero3_model_states_mem_needs_all_live,
                         estimate_zero_model_states_mem_needs,
 )
 from ._export import get_fp32_state_dict_from_zero_checkpoint, load_state_dict_from_zero_checkpoint
+from ._init import (
+                        GatheredParameters,
+                        Init,
+                        register_external_parameter,
+                        unregister_external_parameter,
+)
 from ._optimizer import ZeroOptimizer
 from .config import BF16Config, FP16Config, OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig
 
 __version__ = "0.1.0"
 
-__all__ = ["BF16Config", "FP16Config", "OffloadOptimizerConfig", "OffloadParamConfig", "SafeReader", "ZeroConfig",
+__all__ = ["BF16Config", "FP16Config", "GatheredParameters", "Init", "OffloadOptimizerConfig", "OffloadParamConfig", "SafeReader", "ZeroConfig",
            "ZeroOptimizer", "__version__", "estimate_zero2_model_states_mem_needs_all_cold",
-           "estimate_zero2_model_states_mem_needs_all_live", "estimate_zero_model_states_mem_needs",
+           "estimate_zero2_model_states_mem_needs_all_live", "estimate_zero3_model_states_mem_needs_all_cold",
+           "estimate_zero3_model_states_mem_needs_all_live", "estimate_zero_model_states_mem_needs",
            "get_fp32_state_dict_from_zero_checkpoint", "load_state_dict_from_zero_checkpoint", "load_zero_checkpoint",
-           "read_zero_metadata", "save_zero_checkpoint"]
+           "read_zero_metadata", "register_external_parameter", "save_zero_checkpoint", "unregister_external_parameter"]

@@ -1,7 +1,8 @@
 """Where every parameter lives in ZeRO's flat buffers, and which rank owns which part.
 
 Parameters are laid out in reverse order (the order backward produces their gradients), grouped into
-buckets of at most ``bucket_size`` elements (a larger parameter is a bucket of its own). Each bucket is
+buckets of at most ``bucket_size`` elements (a larger parameter is a bucket of its own), or into the
+buckets the caller gives (``groups``: stage 3's fetch units, one module's parameters each). Each bucket is
 padded so that it splits into ``world_size`` equal shards of a multiple of ``align`` elements; rank
 ``r`` owns shard ``r`` of every bucket. So a bucket's gradients reduce-scatter and its parameters
 all-gather as one contiguous, evenly split range of the flat buffer, and a rank's partition (the
@@ -50,11 +51,16 @@ class Piece:
     partition_offset: int  # where the piece starts in the rank's partition
 
 
+def short_groups(groups) -> str:
+    text = repr([list(g) for g in groups])
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 class FlatLayout:
     """The flat layout of ``shapes`` for ``world_size`` ranks (see the module docstring)."""
 
     def __init__(self, shapes: Sequence[torch.Size | Sequence[int]], *, world_size: int, bucket_size: int,
-                 align: int = 1):
+                 align: int = 1, groups: Sequence[Sequence[int]] | None = None):
         for name, value in (("world_size", world_size), ("bucket_size", bucket_size), ("align", align)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"FlatLayout: {name} must be a positive integer, got {value!r}")
@@ -62,17 +68,7 @@ class FlatLayout:
             raise ValueError("FlatLayout: no parameters to lay out")
         self.world_size, self.bucket_size, self.align = world_size, bucket_size, align
         shapes = [torch.Size(s) for s in shapes]
-        order = list(range(len(shapes)))[::-1]
-        groups: list[list[int]] = []
-        size = 0
-        for index in order:
-            numel = shapes[index].numel()
-            if groups and size + numel <= bucket_size:
-                groups[-1].append(index)
-                size += numel
-            else:
-                groups.append([index])
-                size = numel
+        groups = self._by_size(shapes, bucket_size) if groups is None else self._given(groups, len(shapes))
         self.slots: list[Slot] = [None] * len(shapes)  # type: ignore[list-item]
         self.buckets: list[Bucket] = []
         offset = 0
@@ -89,6 +85,29 @@ class FlatLayout:
         self.numel = offset  # the flat buffer, padding included
         self.param_numel = sum(s.numel for s in self.slots)
         self.shard_numel = sum(b.shard for b in self.buckets)  # one rank's partition
+
+    @staticmethod
+    def _by_size(shapes: list[torch.Size], bucket_size: int) -> list[list[int]]:
+        groups: list[list[int]] = []
+        size = 0
+        for index in range(len(shapes) - 1, -1, -1):
+            numel = shapes[index].numel()
+            if groups and size + numel <= bucket_size:
+                groups[-1].append(index)
+                size += numel
+            else:
+                groups.append([index])
+                size = numel
+        return groups
+
+    @staticmethod
+    def _given(groups: Sequence[Sequence[int]], count: int) -> list[list[int]]:
+        """Explicit buckets (stage 3's units): each index once, none empty."""
+        flat = [i for g in groups for i in g]
+        if sorted(flat) != list(range(count)) or any(not g for g in groups):
+            raise ValueError(f"FlatLayout: groups must hold each of the {count} parameter indices once, in "
+                             f"non-empty groups; got {short_groups(groups)}")
+        return [list(g) for g in groups]
 
     def shard_range(self, bucket: Bucket, rank: int) -> tuple[int, int]:
         """``(start, length)`` of ``rank``'s shard of ``bucket`` in the flat buffer."""

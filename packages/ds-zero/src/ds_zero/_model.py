@@ -42,7 +42,7 @@ def check_same_model(model: nn.Module, params: list[nn.Parameter], group: Any, w
     dtypes (one small all-gather) and name the first difference on every rank, instead of hanging in
     a collective of mismatched sizes later."""
     names = {id(p): name for name, p in model.named_parameters()}
-    described = [(names.get(id(p), "?"), tuple(p.shape), str(p.dtype)) for p in params]
+    described = [(names.get(id(p), "?"), tuple(full_shape(p)), str(p.dtype)) for p in params]
     digest = hashlib.sha256(repr(described).encode()).digest()[:8]
     mine = torch.tensor([int.from_bytes(digest, "little", signed=True)], dtype=torch.int64)
     everyone = torch.zeros(world_size, dtype=torch.int64)
@@ -65,4 +65,38 @@ def broadcast_from_first_rank(model: nn.Module, group: Any) -> None:
     """Start from rank 0's parameters and buffers, as DDP does."""
     source = ds_comm.get_global_rank(group, 0) if group is not None else 0
     for tensor in [*model.parameters(), *model.buffers()]:
+        if is_init_partitioned(tensor):  # Init broadcast it when it was built
+            continue
         ds_comm.broadcast(tensor.data, src=source, group=group)
+
+
+# ---- parameters partitioned by `Init` (each rank holds one even slice of the flattened parameter) ----
+
+def is_init_partitioned(p: torch.Tensor) -> bool:
+    return hasattr(p, "ds_init_shard")
+
+
+def full_shape(p: torch.Tensor) -> torch.Size:
+    """A parameter's whole shape, also while `Init` or stage 3 keeps only a shard of it."""
+    return p.ds_shape if hasattr(p, "ds_shape") and (is_init_partitioned(p) or hasattr(p, "_ds_stage3")) else p.shape
+
+
+def gather_init_partitioned(p: torch.Tensor, group: Any = None) -> torch.Tensor:
+    """The whole value of a parameter `Init` partitioned (a collective over its group)."""
+    group = getattr(p, "ds_init_group", group)
+    world = ds_comm.get_world_size(group)
+    full = torch.empty(p.data.numel() * world, dtype=p.dtype)
+    ds_comm.all_gather_bucket(full, p.data.reshape(-1), group=group)
+    return full[:p.ds_numel].view(p.ds_shape)
+
+
+def unpartition(p: torch.Tensor) -> None:
+    """Make a parameter `Init` partitioned whole again (a collective)."""
+    p.data = gather_init_partitioned(p).clone()
+    forget_init_partition(p)
+
+
+def forget_init_partition(p: torch.Tensor) -> None:
+    for key in ("ds_init_shard", "ds_init_group", "ds_shape", "ds_numel"):
+        if hasattr(p, key):
+            delattr(p, key)

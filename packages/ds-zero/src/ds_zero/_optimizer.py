@@ -1,4 +1,4 @@
-"""`ZeroOptimizer`: ZeRO stages 0-2 over a model and an optimizer class, in a plain training loop.
+"""`ZeroOptimizer`: ZeRO stages 0-3 over a model and an optimizer class, in a plain training loop.
 
 The model's trainable parameters become views of one flat buffer laid out by `FlatLayout` (buckets
 in backward order, each split evenly into one shard per rank). As backward produces gradients
@@ -13,6 +13,9 @@ overlaps the rest of backward:
 * stage 2: each micro-step, a complete bucket's gradients are copied into a reusable bucket buffer
   (times 1/world_size) and reduce-scattered into this rank's flat gradient partition; the full-size
   gradients are freed at once. Optimizer and gather as in stage 1.
+* stage 3: each bucket is one module's parameters (a fetch unit) and the flat buffer is only this
+  rank's partition; `Stage3` gathers a unit around its module's forward and backward and releases
+  it after. Gradients as at stage 2; after the step nothing is gathered (the next forward does).
 
 The optimizer is the caller's class (``torch.optim.AdamW``, ``ds_ops.CPUAdam``, any optimizer whose
 update is elementwise), built over one tensor per bucket: in float32, views of the flat buffer, so
@@ -41,9 +44,14 @@ from ._layout import FlatLayout
 from ._model import (
     broadcast_from_first_rank,
     check_same_model,
+    forget_init_partition,
+    full_shape,
+    gather_init_partitioned,
+    is_init_partitioned,
     param_name,
     short,
     trainable,
+    unpartition,
     version,
 )
 from ._precision import (
@@ -55,6 +63,7 @@ from ._precision import (
     needs_whole_tensors,
 )
 from ._scaler import LossScaler
+from ._stage3 import Stage3, plan_units
 from .config import BF16Config, FP16Config, ZeroConfig, mixed_precision
 
 logger = logging.getLogger(__name__)
@@ -77,7 +86,7 @@ _NOT_YET = {
 
 
 class ZeroOptimizer:
-    """ZeRO stages 0-2 for ``model`` with ``optimizer`` (a class or a callable taking the list of
+    """ZeRO stages 0-3 for ``model`` with ``optimizer`` (a class or a callable taking the list of
     tensors to optimize), in a plain loop::
 
         zero = ZeroOptimizer(model, torch.optim.AdamW, optimizer_kwargs={"lr": 1e-3},
@@ -122,6 +131,9 @@ class ZeroOptimizer:
             raise ValueError(f"gradient_accumulation_steps must be an integer >= 1, got {gradient_accumulation_steps!r}")
         params = trainable(model)
         for p in params:
+            if hasattr(p, "_ds_stage3"):
+                raise ValueError(f"ZeroOptimizer: parameter {param_name(model, p)} is managed by another stage-3 "
+                                 "ZeroOptimizer; close() that one first")
             if p.device.type != "cpu":
                 raise NotImplementedError(f"ZeroOptimizer: parameter {param_name(model, p)} is on {p.device}; ds-zero "
                                           f"{version()} trains CPU models over gloo (its CUDA path is not built yet)")
@@ -141,22 +153,40 @@ class ZeroOptimizer:
         self.skipped_steps = 0
         check_same_model(model, params, group, self.world_size)
         broadcast_from_first_rank(model, group)
+        for p in model.parameters():  # built under Init: whole again, but stage 3's trainable ones
+            if is_init_partitioned(p) and (self.config.stage < 3 or not p.requires_grad):
+                unpartition(p)
 
         bucket_size = min(self.config.reduce_bucket_size, OVERLAP_BUCKET_ELEMENTS)
-        self.layout = layout = FlatLayout([p.shape for p in params], world_size=self.world_size, bucket_size=bucket_size)
-        self._owned = [self._shard(b) if self.stage > 0 else (b.offset, b.padded) for b in layout.buckets]
+        shapes = [full_shape(p) for p in params]
+        units = hooked = None
+        if self.stage == 3:  # one bucket per fetch unit (a module's parameters)
+            units, hooked = plan_units(model, params)
+            self.layout = FlatLayout(shapes, world_size=self.world_size, bucket_size=bucket_size,
+                                     groups=[members for _, members in units])
+        else:
+            self.layout = FlatLayout(shapes, world_size=self.world_size, bucket_size=bucket_size)
+        layout = self.layout
         self._shard_starts = layout.partition_offsets()
-        self._flat = torch.zeros(layout.numel, dtype=self.dtype)
+        if self.stage == 3:  # the flat buffer is this rank's partition: ranges below are in it
+            self._owned = [(at, b.shard) for b, at in zip(layout.buckets, self._shard_starts, strict=True)]
+        else:
+            self._owned = [self._shard(b) if self.stage > 0 else (b.offset, b.padded) for b in layout.buckets]
+        self._flat = torch.zeros(layout.numel if self.stage < 3 else layout.shard_numel, dtype=self.dtype)
         self._master = None  # a float32 master copy of what this rank steps, when the model is 16-bit
         self._hooks: list[Any] = []  # removed by close()
         if self.dtype != torch.float32:
             self._master = torch.zeros(layout.numel if self.stage == 0 else layout.shard_numel, dtype=torch.float32)
-            self._fill_master(params)
-        for p, slot in zip(params, layout.slots, strict=True):
-            view = self._flat[slot.offset:slot.offset + slot.numel].view(p.shape)
-            view.copy_(p.detach())
-            p.data = view
-            p.grad = None
+        if self.stage == 3:
+            self._fill_partitions(params)
+        else:
+            if self._master is not None:
+                self._fill_master(params)
+            for p, slot in zip(params, layout.slots, strict=True):
+                view = self._flat[slot.offset:slot.offset + slot.numel].view(p.shape)
+                view.copy_(p.detach())
+                p.data = view
+                p.grad = None
         if self.dtype != torch.float32:  # the rest of the model (frozen parameters, buffers) in 16 bits too
             for tensor in [*model.parameters(), *model.buffers()]:
                 if tensor.is_floating_point() and tensor.dtype != self.dtype:
@@ -164,6 +194,10 @@ class ZeroOptimizer:
             if fp16_config.auto_cast and self.precision == "fp16":
                 self._hooks.append(model.register_forward_pre_hook(cast_floating_inputs(self.dtype), with_kwargs=True))
         self._bucket_of = {id(p): slot.bucket for p, slot in zip(params, layout.slots, strict=True)}
+        self._stage3 = None
+        if self.stage == 3:
+            self._stage3 = Stage3(model, params, layout, [name for name, _ in units], hooked, self._flat,
+                                  self._shard_starts, self.config, group, self._shard_modified)
         if self.stage < 2:
             self._grads = torch.zeros(layout.numel, dtype=self.dtype)
             for p, slot in zip(params, layout.slots, strict=True):
@@ -282,7 +316,9 @@ class ZeroOptimizer:
                 coefficient = (self.gradient_clipping / (norm + 1e-6)).clamp(max=1.0)
                 torch._foreach_mul_([t.grad for t in self._step_params], coefficient)
             self.optimizer.step()
-        if self.stage > 0:
+        if self._stage3 is not None:
+            self._stage3.after_step()
+        elif self.stage > 0:
             self._gather_parameters()
         return True
 
@@ -306,6 +342,8 @@ class ZeroOptimizer:
             return
         self._wait_reductions_quietly()
         self._work, self._buffer_work = [], []
+        if self._stage3 is not None:  # every parameter whole again (a collective: every rank closes)
+            self._stage3.gather_all()
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
@@ -334,7 +372,8 @@ class ZeroOptimizer:
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes this rank holds for the model's states, by kind: ``params`` (the flat parameters,
-        16-bit with fp16/bf16), ``grads`` (full at stages 0-1, this rank's partition at stage 2, plus
+        16-bit with fp16/bf16; at stage 3 this rank's partition plus the units gathered now),
+        ``grads`` (full at stages 0-1, this rank's partition at stages 2-3, plus
         float32 copies for a non-Adam optimizer of a 16-bit model), ``master`` (the float32 copy of
         what this rank steps; none in float32 training, where the parameters are the master),
         ``optimizer`` (the optimizer's state tensors), and ``buffers`` (reusable reduction buffers)."""
@@ -342,13 +381,14 @@ class ZeroOptimizer:
             return sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t) and t.dim() > 0)
 
         grads = [self._grads if self.stage < 2 else self._partition, self._master_grads]
-        return {"params": size([self._flat]), "grads": size(grads), "master": size([self._master]),
+        gathered = self._stage3.held_bytes() if self._stage3 is not None else 0  # stage 3: whole units now
+        return {"params": size([self._flat]) + gathered, "grads": size(grads), "master": size([self._master]),
                 "optimizer": size(t for state in self.optimizer.state.values() for t in state.values()),
                 "buffers": size([*self._bucket_buffers, *self._received])}
 
     def _identity(self) -> dict[str, Any]:
         return {"zero_stage": self.stage, "world_size": self.world_size, "rank": self.rank, "precision": self.precision,
-                "shapes": [tuple(p.shape) for p in self._params], "bucket_size": self.layout.bucket_size}
+                "shapes": [tuple(s.shape) for s in self.layout.slots], "bucket_size": self.layout.bucket_size}
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's part: the optimizer's state over its shards, the float32 master copy (16-bit
@@ -381,15 +421,19 @@ class ZeroOptimizer:
             self._master.copy_(state["master"])
             for copy, tensor in zip(self._copies, self._step_params, strict=True):
                 copy.copy_(tensor.detach())
-            if self.stage > 0:
+            if self._stage3 is not None:
+                self._stage3.after_step()
+            elif self.stage > 0:
                 self._gather_parameters()
 
     # ------------------------------------------------------------------------------------ internals
     def _refuse_what_is_not_implemented(self) -> None:
         config = self.config
-        if config.stage == 3:
-            raise NotImplementedError("zero_optimization.stage 3 is not implemented yet in ds-zero "
-                                      f"{version()} (stages 0-2)")
+        for key in ("offload_optimizer", "offload_param"):
+            section = getattr(config, key)
+            if section is not None and section.device == "nvme":
+                raise NotImplementedError(f"zero_optimization.{key}.device 'nvme' (ZeRO-Infinity) is not implemented "
+                                          f"yet in ds-zero {version()}; use 'cpu' (see the package README)")
         offload = config.offload_optimizer
         if offload is not None and offload.device == "cpu" and offload.ratio != 1.0:
             raise NotImplementedError(f"zero_optimization.offload_optimizer.ratio {offload.ratio:g} (partial offload) "
@@ -422,13 +466,42 @@ class ZeroOptimizer:
             source = params[piece.index].detach().reshape(-1)[piece.param_offset:piece.param_offset + piece.numel]
             self._master[piece.partition_offset:piece.partition_offset + piece.numel].copy_(source)
 
+    def _fill_partitions(self, params: list[nn.Parameter]) -> None:
+        """Stage 3: this rank's shard of every unit into the partition (and the master copy), one unit
+        whole at a time (parameters built under `Init` are gathered from their shards for it), then
+        every parameter is released (the `Stage3` hooks gather them to run)."""
+        for bucket, start in zip(self.layout.buckets, self._shard_starts, strict=True):
+            lo, hi = bucket.offset + self.rank * bucket.shard, bucket.offset + (self.rank + 1) * bucket.shard
+            for index in bucket.slots:
+                slot, p = self.layout.slots[index], params[index]
+                a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+                if a >= b:
+                    if hasattr(p, "ds_init_shard"):  # every rank takes part in the gather
+                        gather_init_partitioned(p, self.group)
+                    continue
+                whole = gather_init_partitioned(p, self.group) if hasattr(p, "ds_init_shard") else p.detach()
+                source = whole.reshape(-1)[a - slot.offset:b - slot.offset]
+                self._flat[start + a - lo:start + b - lo].copy_(source)
+                if self._master is not None:
+                    self._master[start + a - lo:start + b - lo].copy_(source)
+                p.grad = None
+            for index in bucket.slots:
+                params[index].data = torch.empty(0, dtype=self.dtype)
+                forget_init_partition(params[index])
+
+    def _shard_modified(self, bucket: int) -> None:
+        """GatheredParameters changed a unit's shard: the master copy follows."""
+        if self._master is not None:
+            start, shard = self._shard_starts[bucket], self.layout.buckets[bucket].shard
+            self._master[start:start + shard].copy_(self._flat[start:start + shard])
+
     def _make_reduction_buffers(self) -> None:
         """Stage 2 reduces from bucket buffers (two: one fills while the other's reduce-scatter is in
         flight, one if there is one bucket); stages 0-1 need them only to reduce in another dtype
         (bf16 gradients summed in float32). Received buffers take a reduce-scatter's output when it
         cannot land in the gradient partition directly (accumulation, another dtype)."""
         buckets, comm = self.layout.buckets, self.communication_data_type
-        staged = self.stage == 2 or comm != self.dtype
+        staged = self.stage >= 2 or comm != self.dtype
         count = min(2, len(buckets)) if staged else 0
         self._bucket_buffers = [torch.zeros(max(b.padded for b in buckets), dtype=comm) for _ in range(count)]
         self._buffer_work: list[Any] = [None] * count
@@ -456,6 +529,8 @@ class ZeroOptimizer:
         self._callback_queued = False
         if self._reduces_now():
             self._reduce_leftovers()
+        if self._stage3 is not None:
+            self._stage3.after_backward()
         self._ready = [0] * len(self.layout.buckets)
         self._fired.clear()
         self._reduced = [False] * len(self.layout.buckets)
@@ -476,7 +551,7 @@ class ZeroOptimizer:
             self._boundary_reduced = True
 
     def _reduces_now(self) -> bool:
-        return self.stage == 2 or self.is_gradient_accumulation_boundary
+        return self.stage >= 2 or self.is_gradient_accumulation_boundary
 
     def _reduce(self, b: int) -> None:
         """Start bucket ``b``'s reduction: gradients × 1/world_size (DDP's arithmetic), summed by an
@@ -512,6 +587,8 @@ class ZeroOptimizer:
                 param.grad = None  # the full-size gradient is not needed any more
             if bucket.padded > bucket.numel:
                 buffer[bucket.numel:].zero_()
+            if self._stage3 is not None:  # backward is done with this unit's parameters
+                self._stage3.after_reduction(b)
         if self.stage == 0:
             work = ds_comm.all_reduce(buffer, group=self.group, async_op=True)
             self._buffer_work[which] = (work, lambda: grads.copy_(buffer))

@@ -1,0 +1,243 @@
+"""`Init` (build a model already partitioned), `GatheredParameters` and external parameters.
+
+Under `Init`, every module built is partitioned as its constructor returns: each of its parameters is
+broadcast from rank 0 (so every rank starts from the same values, as DDP does), flattened, padded to a
+multiple of the world size, and only this rank's slice is kept. So the whole model never exists on
+one rank: at most its slices plus the one module being built. `ZeroOptimizer` at stage 3 takes such
+a model as it is (it gathers one unit at a time to lay out its partitions); below stage 3 it makes
+the parameters whole first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import threading
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+import ds_comm
+
+from ._model import gather_init_partitioned, is_init_partitioned
+from ._precision import DTYPES
+from ._stage3 import EXTERNAL, units_of
+from .config import BF16Config, FP16Config, mixed_precision
+
+_lock = threading.Lock()
+_active: list[Init] = []  # the Init contexts entered, innermost last
+_originals: dict[type, Any] = {}  # classes whose __init__ is wrapped, and their own __init__
+_building: dict[int, int] = {}  # id(module) -> depth of its constructors running (partition at depth 0)
+
+
+class Init:
+    """Partition every ``nn.Module`` built inside the ``with`` block across the data-parallel ranks::
+
+        with ds_zero.Init(config_dict_or_path=ds_config):
+            model = GPT()            # each rank holds 1/N of every parameter
+        zero = ds_zero.ZeroOptimizer(model, ..., config=ds_config)   # stage 3
+
+    DeepSpeed's arguments: ``module`` (an already built model to partition now), ``data_parallel_group``,
+    ``mem_efficient_linear`` (accepted: stage 3 keeps no whole weight for any layer's backward, linear
+    or not), ``remote_device`` (None or "cpu": parameters live in CPU memory here; "nvme" is refused
+    until ZeRO-Infinity lands), ``pin_memory`` (no effect without CUDA), ``config_dict_or_path`` (or
+    ``config``: the DeepSpeed config, for its fp16/bf16 sections), ``enabled``, ``dtype`` (the
+    parameters' dtype; default: bf16/fp16 from the config, else as built).
+    """
+
+    def __init__(self, module: nn.Module | None = None, data_parallel_group: Any = None,
+                 mem_efficient_linear: bool = True, remote_device: str | None = None, pin_memory: bool = False,
+                 config_dict_or_path: Any = None, config: Any = None, enabled: bool = True,
+                 dtype: torch.dtype | None = None, mpu: Any = None, **ignored: Any):
+        unknown = sorted(k for k in ignored if k not in ("zero_param_parallel_group", "sequence_data_parallel_group",
+                                                          "param_swapper", "zero_quantized_weights",
+                                                          "zero_quantized_nontrainable_weights"))
+        if unknown:
+            raise TypeError(f"ds_zero.Init: unexpected keyword arguments {unknown}")
+        for key in ("zero_quantized_weights", "zero_quantized_nontrainable_weights"):
+            if ignored.get(key):
+                raise NotImplementedError(f"ds_zero.Init: {key} (ZeRO++) is not implemented in ds-zero")
+        if remote_device not in (None, "cpu", "none"):
+            raise NotImplementedError(f"ds_zero.Init: remote_device {remote_device!r}: parameters on NVMe "
+                                      "(ZeRO-Infinity) are not implemented yet in ds-zero; use None or 'cpu'")
+        if config is not None and config_dict_or_path is not None:
+            raise ValueError("ds_zero.Init: give config_dict_or_path or config (its old name), not both")
+        self.enabled = bool(enabled)
+        self.group = data_parallel_group if data_parallel_group is not None else (
+            mpu.get_data_parallel_group() if mpu is not None else None)
+        self.dtype = dtype if dtype is not None else _config_dtype(config_dict_or_path or config)
+        if self.dtype is not None and not self.dtype.is_floating_point:
+            raise ValueError(f"ds_zero.Init: dtype must be a floating-point dtype, got {self.dtype}")
+        self.mem_efficient_linear = mem_efficient_linear
+        if self.enabled and not ds_comm.is_initialized():
+            raise RuntimeError("ds_zero.Init: the process group is not initialised; call ds_comm.init_distributed() "
+                               "first")
+        if module is not None and self.enabled:
+            for sub in module.modules():
+                self._partition(sub)
+
+    def __enter__(self) -> Init:
+        if not self.enabled:
+            return self
+        with _lock:
+            if not _active:
+                _wrap_every_module_class()
+            _active.append(self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if not self.enabled:
+            return
+        with _lock:
+            _active.remove(self)
+            if not _active:
+                _unwrap_every_module_class()
+
+    def _partition(self, module: nn.Module) -> None:
+        """Keep only this rank's slice of ``module``'s own parameters (not yet partitioned ones)."""
+        world, rank = ds_comm.get_world_size(self.group), ds_comm.get_rank(self.group)
+        source = ds_comm.get_global_rank(self.group, 0) if self.group is not None else 0
+        for p in module.parameters(recurse=False):
+            if is_init_partitioned(p) or hasattr(p, "_ds_stage3"):
+                continue
+            data = p.data
+            if self.dtype is not None and data.is_floating_point():
+                data = data.to(self.dtype)
+            data = data.contiguous()
+            ds_comm.broadcast(data, src=source, group=self.group)
+            shard = -(-data.numel() // world)
+            flat = data.reshape(-1)
+            mine = torch.zeros(shard, dtype=data.dtype)
+            lo, hi = min(rank * shard, flat.numel()), min((rank + 1) * shard, flat.numel())
+            mine[:hi - lo].copy_(flat[lo:hi])
+            p.ds_shape, p.ds_numel = data.shape, data.numel()
+            p.ds_init_group, p.ds_init_shard = self.group, True
+            p.data = mine
+
+
+def _config_dtype(config: Any) -> torch.dtype | None:
+    if config is None:
+        return None
+    if isinstance(config, (str, Path)):
+        config = json.loads(Path(config).read_text())
+    if not isinstance(config, dict):
+        raise ValueError(f"ds_zero.Init: config_dict_or_path must be a dict or a JSON file's path, got "
+                         f"{type(config).__name__}")
+    precision = mixed_precision(FP16Config.from_section_or_ds_config(config),
+                                BF16Config.from_section_or_ds_config(config))
+    return None if precision == "fp32" else DTYPES[precision]
+
+
+def _all_subclasses(cls: type) -> Iterator[type]:
+    for sub in cls.__subclasses__():
+        yield sub
+        yield from _all_subclasses(sub)
+
+
+def _wrap(cls: type) -> None:
+    original = cls.__dict__.get("__init__")
+    if original is None or cls in _originals:
+        return
+    _originals[cls] = original
+
+    @functools.wraps(original)
+    def init(module, *args, **kwargs):
+        key = id(module)
+        _building[key] = _building.get(key, 0) + 1
+        try:
+            original(module, *args, **kwargs)
+        finally:
+            _building[key] -= 1
+            if not _building[key]:
+                del _building[key]
+        if key not in _building and _active:  # the outermost constructor of this module returned
+            _active[-1]._partition(module)
+
+    cls.__init__ = init
+
+
+def _init_subclass(cls, **kwargs):
+    super(nn.Module, cls).__init_subclass__(**kwargs)
+    if _active:
+        _wrap(cls)
+
+
+def _wrap_every_module_class() -> None:
+    for cls in {nn.Module, *_all_subclasses(nn.Module)}:
+        _wrap(cls)
+    nn.Module.__init_subclass__ = classmethod(_init_subclass)
+
+
+def _unwrap_every_module_class() -> None:
+    for cls, original in _originals.items():
+        cls.__init__ = original
+    _originals.clear()
+    if "__init_subclass__" in nn.Module.__dict__:
+        del nn.Module.__init_subclass__
+
+
+@contextlib.contextmanager
+def GatheredParameters(params: nn.Parameter | Iterable[nn.Parameter], modifier_rank: int | None = None,
+                       fwd_module: nn.Module | None = None, enabled: bool = True) -> Iterator[None]:
+    """Inside the block the partitioned ``params`` are whole on every rank (every rank must enter it).
+    With ``modifier_rank``, what that rank wrote is broadcast on exit and partitioned again (the
+    optimizer's master copy follows); without, changes are discarded. Whole parameters pass through."""
+    if isinstance(params, torch.Tensor):
+        params = [params]
+    params = [p for p in params if p is not None]
+    if modifier_rank is not None and (isinstance(modifier_rank, bool) or not isinstance(modifier_rank, int)
+                                      or modifier_rank < 0):
+        raise ValueError(f"GatheredParameters: modifier_rank must be a rank (an int >= 0) or None, got "
+                         f"{modifier_rank!r}")
+    if not enabled:
+        yield
+        return
+    owners = units_of(params)
+    init_params = [p for p in params if is_init_partitioned(p)]
+    shards = {}
+    for stage3, units in owners.items():
+        for unit in units:
+            stage3.hold(unit)
+    for p in init_params:
+        shards[p] = p.data
+        p.data = gather_init_partitioned(p).clone()
+    try:
+        yield
+    finally:
+        for stage3, units in owners.items():
+            for unit in units:
+                stage3.unhold(unit, modifier_rank)
+        for p in init_params:
+            group = p.ds_init_group
+            if modifier_rank is not None:
+                source = ds_comm.get_global_rank(group, modifier_rank) if group is not None else modifier_rank
+                ds_comm.broadcast(p.data, src=source, group=group)
+                flat, shard = p.data.reshape(-1), shards[p]
+                rank = ds_comm.get_rank(group)
+                lo, hi = min(rank * shard.numel(), flat.numel()), min((rank + 1) * shard.numel(), flat.numel())
+                shard[:hi - lo].copy_(flat[lo:hi])
+            p.data = shards[p]
+
+
+def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
+    """Tell stage 3 that ``module``'s forward reads ``parameter`` of another module (a tied weight
+    used through ``F.linear(x, other.weight)``): it is gathered with ``module``'s own."""
+    if not isinstance(module, nn.Module) or not isinstance(parameter, torch.Tensor):
+        raise ValueError(f"register_external_parameter(module, parameter): got {type(module).__name__}, "
+                         f"{type(parameter).__name__}")
+    external = module.__dict__.setdefault(EXTERNAL, [])
+    if not any(p is parameter for p in external):
+        external.append(parameter)
+
+
+def unregister_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
+    """Undo `register_external_parameter`."""
+    external = module.__dict__.get(EXTERNAL, [])
+    module.__dict__[EXTERNAL] = [p for p in external if p is not parameter]
+
+
+__all__ = ["GatheredParameters", "Init", "register_external_parameter", "unregister_external_parameter"]
