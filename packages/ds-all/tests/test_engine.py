@@ -31,10 +31,15 @@ def _batch(step: int, micro: int, rank: int) -> tuple[torch.Tensor, torch.Tensor
     return torch.randn(MICRO, IN, generator=g), torch.randn(MICRO, 1, generator=g)
 
 
+def _zero_section(stage: int) -> dict:
+    # stage 3: every module partitioned (DeepSpeed's default threshold keeps modules this small whole)
+    return {"stage": stage, "stage3_param_persistence_threshold": 0} if stage == 3 else {"stage": stage}
+
+
 def _config(stage: int, **extra) -> dict:
     return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01, "torch_adam": True}},
-            "zero_optimization": {"stage": stage}, "steps_per_print": 1000, **extra}
+            "zero_optimization": _zero_section(stage), "steps_per_print": 1000, **extra}
 
 
 def engine_matches_zero_and_ddp(rank, world_size, stage):
@@ -43,7 +48,7 @@ def engine_matches_zero_and_ddp(rank, world_size, stage):
     engine, optimizer, loader, scheduler = ds_all.initialize(model=model, config=_config(stage, gradient_clipping=1.0))
     assert loader is None and scheduler is None and optimizer is engine.optimizer
     zero = ZeroOptimizer(direct, torch.optim.AdamW, optimizer_kwargs={"lr": 1e-2, "weight_decay": 0.01},
-                         config={"stage": stage}, gradient_clipping=1.0, gradient_accumulation_steps=GAS)
+                         config=_zero_section(stage), gradient_clipping=1.0, gradient_accumulation_steps=GAS)
     ddp = nn.parallel.DistributedDataParallel(ddp_model)
     reference = torch.optim.AdamW(ddp.parameters(), lr=1e-2, weight_decay=0.01)
     boundaries = []
@@ -64,15 +69,16 @@ def engine_matches_zero_and_ddp(rank, world_size, stage):
     assert boundaries == [False, True] * STEPS
     assert engine.global_steps == STEPS and engine.micro_steps == STEPS * GAS
     assert engine.global_samples == STEPS * GAS * MICRO * world_size
+    engine.destroy()  # stage 3: every parameter whole again
+    zero.close()
     same_as_zero = all(torch.equal(a, b) for a, b in zip(model.parameters(), direct.parameters(), strict=True))
     same_as_ddp = all(torch.equal(a, b) for a, b in zip(model.parameters(), ddp_model.parameters(), strict=True))
     close_to_ddp = all(torch.allclose(a, b, atol=1e-5) for a, b in zip(model.parameters(), ddp_model.parameters(),
                                                                          strict=True))
-    engine.destroy()
     return same_as_zero, same_as_ddp, close_to_ddp
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_the_engine_trains_exactly_as_ds_zero_direct(stage):
     for same_as_zero, same_as_ddp, close_to_ddp in spawn(engine_matches_zero_and_ddp, world_size=2, args=(stage,)):
         assert same_as_zero
@@ -247,3 +253,31 @@ def no_process_group_no_init(rank, world_size):
 def test_dist_init_required_false_without_a_group_is_refused():
     for message in spawn(no_process_group_no_init, world_size=2):
         assert "dist_init_required=False but no process group exists" in message
+
+
+def save_16bit(rank, world_size, path, gather):
+    model = _model()
+    zero = {**_zero_section(3), "stage3_gather_16bit_weights_on_model_save": gather}
+    engine, *_ = ds_all.initialize(model=model, config=_config(3, zero_optimization=zero, bf16={"enabled": True}))
+    for step in range(2):
+        for micro in range(GAS):
+            x, y = _batch(step, micro, rank)
+            engine.backward(nn.functional.mse_loss(engine(x.bfloat16()).float(), y))
+            engine.step()
+    saved = engine.save_16bit_model(path, "model.bin")
+    engine.destroy()  # every parameter whole again, to compare with the file
+    return saved, {k: v.tolist() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("gather", [True, False])
+def test_save_16bit_model_gathers_the_partitioned_weights_on_rank_0(tmp_path, gather):
+    results = spawn(save_16bit, world_size=2, args=(str(tmp_path), gather))
+    assert [saved for saved, _ in results] == [gather, gather]
+    if not gather:  # DeepSpeed's behaviour: a warning, nothing written, False
+        assert not (tmp_path / "model.bin").exists()
+        return
+    state = torch.load(tmp_path / "model.bin", weights_only=True)
+    whole = results[0][1]
+    assert sorted(state) == sorted(whole)
+    for name, tensor in state.items():
+        assert tensor.dtype == torch.bfloat16 and tensor.tolist() == whole[name], name

@@ -1,5 +1,6 @@
 """A real client: Hugging Face GPT-2 and BERT (built from small configs, nothing downloaded) trained
-under ``ds_all.initialize`` with ZeRO-2 on 2 ranks; their loss curves equal a plain PyTorch loop's on
+under ``ds_all.initialize`` with ZeRO-2 and ZeRO-3 on 2 ranks (GPT-2's tied LM head: a parameter two
+modules share); their loss curves equal a plain PyTorch loop's on
 the same data (fp32, 1e-5). And ``ds_all.hf.resolve_auto``: each "auto" of the integration guide
 filled from TrainingArguments' fields, conflicts listed, missing inputs named."""
 
@@ -107,7 +108,8 @@ def hf_model_under_zero(rank, world_size, kind, stage):
         {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
          "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
                                                    "weight_decay": "auto", "torch_adam": True}},
-         "zero_optimization": {"stage": stage, "reduce_bucket_size": "auto"}},
+         "zero_optimization": {"stage": stage, "reduce_bucket_size": "auto",
+                               **({"stage3_param_persistence_threshold": "auto"} if stage == 3 else {})}},
         SimpleNamespace(**{**vars(ARGS), "per_device_train_batch_size": MICRO, "gradient_accumulation_steps": 1}),
         model=model)
     engine, *_ = ds_all.initialize(model=model, config=config)
@@ -130,9 +132,9 @@ def hf_model_under_zero(rank, world_size, kind, stage):
     return ours, plain
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "bert"])
-def test_a_transformers_model_trains_under_zero2_as_in_a_plain_loop(kind):
+@pytest.mark.parametrize("kind, stage", [("gpt2", 2), ("bert", 2), ("gpt2", 3), ("bert", 3)])
+def test_a_transformers_model_trains_under_zero_as_in_a_plain_loop(kind, stage):
     pytest.importorskip("transformers")
-    for ours, plain in spawn(hf_model_under_zero, world_size=2, args=(kind, 2), timeout=240):
+    for ours, plain in spawn(hf_model_under_zero, world_size=2, args=(kind, stage), timeout=240):
         assert ours == pytest.approx(plain, rel=1e-5, abs=1e-5)
         assert ours[2] < ours[0] and ours[3] < ours[1]  # each batch's loss falls

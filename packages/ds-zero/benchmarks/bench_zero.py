@@ -101,11 +101,43 @@ def run(rank: int, world_size: int, kind: str, gas: int, steps: int, bucket: int
             states = [t for s in optimizer.optim.state.values() for t in s.values()] if kind == "torch-zero1" else \
                 [t for s in optimizer.state.values() for t in s.values()]
             return _state_bytes(params) + _state_bytes(p.grad for p in params) + _state_bytes(states)
+    elif kind == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mesh = init_device_mesh("cpu", (world_size,))
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else \
+            MixedPrecisionPolicy()
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+        optimizer = torch.optim.AdamW(model.parameters(), **adamw)
+
+        def train_step(step):
+            for micro in range(gas):
+                model.set_requires_gradient_sync(micro == gas - 1)
+                loss = model(_tokens(step, micro, rank)) / gas
+                loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+        def local(tensors):
+            return [t.to_local() if hasattr(t, "to_local") else t for t in tensors if t is not None]
+
+        def state() -> int:
+            params = list(model.parameters())
+            states = [t for s in optimizer.state.values() for t in s.values()]
+            return _state_bytes(local(params)) + _state_bytes(local(p.grad for p in params)) + \
+                _state_bytes(local(states))
     else:
         stage = int(kind.removeprefix("zero-").removesuffix("-offload"))
         config = {"stage": stage} if bucket is None else {"stage": stage, "reduce_bucket_size": bucket}
         if kind.endswith("-offload"):
             config["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+            if stage == 3:
+                config["offload_param"] = {"device": "cpu", "pin_memory": True}
+        if stage == 3:
+            config.update(STAGE3)
         zero = ZeroOptimizer(model, torch.optim.AdamW, optimizer_kwargs=adamw, config=config,
                              gradient_accumulation_steps=gas, bf16={"enabled": bf16})
 
@@ -128,7 +160,11 @@ def run(rank: int, world_size: int, kind: str, gas: int, steps: int, bucket: int
             "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 
-KINDS = ["ddp", "torch-zero1", "zero-0", "zero-1", "zero-2", "zero-2-offload"]
+KINDS = ["ddp", "torch-zero1", "zero-0", "zero-1", "zero-2", "zero-2-offload", "fsdp2", "zero-3", "zero-3-offload"]
+# Stage 3 as a user short of memory sets it (FSDP2's behaviour): a unit is released after its
+# forward (DeepSpeed's default reuse distance, 1e9 elements, keeps the whole model of this size
+# gathered from forward to backward), and about one block (3.1M elements) is gathered ahead.
+STAGE3 = {"stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 4_000_000}
 
 
 def bf16_matmul_slowdown() -> float:

@@ -11,7 +11,7 @@ from torch import nn
 
 import ds_comm
 from ds_comm.testing import spawn
-from ds_zero import ZeroOptimizer, load_zero_checkpoint, save_zero_checkpoint
+from ds_zero import GatheredParameters, ZeroOptimizer, load_zero_checkpoint, save_zero_checkpoint
 
 WIDTH, STEPS, SAVE_AT = 24, 8, 4
 
@@ -23,6 +23,8 @@ def _model(extra: int = 0) -> nn.Module:
 
 def _zero(model, stage, precision="fp32", offload=False):
     config = {"stage": stage, "reduce_bucket_size": 300}  # several buckets, parameters split across ranks
+    if stage == 3:
+        config["stage3_param_persistence_threshold"] = 0  # every unit partitioned, even the LayerNorm
     if offload:
         config["offload_optimizer"] = {"device": "cpu"}
     return ZeroOptimizer(model, torch.optim.AdamW, optimizer_kwargs={"lr": 1e-2}, config=config,
@@ -39,7 +41,8 @@ def _train(zero, model, steps, rank, world_size, start=0):
 
 
 def _params(model):
-    return [p.detach().float().clone() for p in model.parameters()]
+    with GatheredParameters(list(model.parameters())):  # stage 3: whole for a moment
+        return [p.detach().float().clone() for p in model.parameters()]
 
 
 def continuation(rank, world_size, stage, precision, offload, path):
@@ -59,7 +62,8 @@ def continuation(rank, world_size, stage, precision, offload, path):
 
 
 @pytest.mark.parametrize("stage, precision, offload", [(0, "fp32", False), (1, "fp32", False), (2, "fp32", False),
-                                                       (2, "fp16", False), (2, "fp32", True)])
+                                                       (2, "fp16", False), (2, "fp32", True), (3, "fp32", False),
+                                                       (3, "fp16", False)])
 def test_a_resumed_run_continues_bit_for_bit(tmp_path, stage, precision, offload):
     for same, resumed_scale, scale in spawn(continuation, world_size=2,
                                             args=(stage, precision, offload, str(tmp_path / "ck"))):
@@ -71,9 +75,10 @@ def _whole(zero, model, stage, world_size) -> dict[str, list[float]]:
     """Every parameter and both Adam moments, whole, by parameter name: at stage 0 a rank holds them
     all; at stages 1-2 each rank's pieces are summed over ranks (they are disjoint)."""
     names = {id(q): n for n, q in model.named_parameters()}
-    whole = {f"master/{n}": p.detach().clone().flatten() for n, p in model.named_parameters()}
+    with GatheredParameters(list(model.parameters())):
+        whole = {f"master/{n}": p.detach().clone().flatten() for n, p in model.named_parameters()}
     for key in ("exp_avg", "exp_avg_sq"):
-        moments = {n: torch.zeros(p.numel()) for n, p in model.named_parameters()}
+        moments = {n: torch.zeros(whole[f"master/{n}"].numel()) for n, p in model.named_parameters()}
         for rank in range(world_size) if stage == 0 else [zero.rank]:
             for piece in zero.layout.pieces(rank):
                 tensor = zero.optimizer.state[zero._step_params[piece.bucket]][key]
@@ -107,7 +112,8 @@ def load_elsewhere(rank, world_size, stage, path):
     return whole, step
 
 
-@pytest.mark.parametrize("saved, loaded", [((2, 2), (1, 2)), ((1, 2), (2, 1)), ((2, 1), (2, 0)), ((2, 0), (2, 2))])
+@pytest.mark.parametrize("saved, loaded", [((2, 2), (1, 2)), ((1, 2), (2, 1)), ((2, 1), (2, 0)), ((2, 0), (2, 2)),
+                                           ((2, 3), (1, 2)), ((2, 2), (2, 3))])
 def test_a_checkpoint_loads_on_another_world_size_or_stage(tmp_path, saved, loaded):
     path = str(tmp_path / "ck")
     truth = spawn(save_run, world_size=saved[0], args=(saved[1], path))[0]

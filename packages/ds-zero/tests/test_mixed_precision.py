@@ -310,7 +310,7 @@ def test_the_stage_2_estimator_says_where_the_bytes_go_with_and_without_offload(
     assert offloaded == {"offload_optimizer": True, "per_device": 2 * psi + 2 * psi // 4, "per_cpu": 2 * (12 * psi // 4)}
     assert plain == {"offload_optimizer": False, "per_device": 2 * psi + 2 * psi // 4 + 4 * psi // 4 + 8 * psi // 4,
                      "per_cpu": 0}
-    with pytest.raises(ValueError, match="offload_optimizer needs stage 1 or 2, got stage 0"):
+    with pytest.raises(ValueError, match="offload_optimizer needs stage 1, 2 or 3, got stage 0"):
         estimate_zero_model_states_mem_needs(psi, stage=0, world_size=2, offload_optimizer=True)
     with pytest.raises(ValueError, match="world_size must be a positive integer, got 0"):
         estimate_zero_model_states_mem_needs(psi, stage=1, world_size=0)

@@ -10,6 +10,7 @@ Nothing here computes what a package below computes.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -59,7 +60,8 @@ class DeepSpeedEngine(nn.Module):
                 model, factory, config=config.zero_optimization, fp16=config.fp16, bf16=config.bf16,
                 gradient_clipping=config.gradient_clipping,
                 gradient_accumulation_steps=config.gradient_accumulation_steps,
-                communication_data_type=config.communication_data_type, group=self.data_parallel_group)
+                communication_data_type=config.communication_data_type, group=self.data_parallel_group,
+                aio=config.aio)
         try:  # what fails from here leaves no ZeRO hook on the caller's model
             self.lr_scheduler = self._scheduler(lr_scheduler)
             self.training_dataloader = self.deepspeed_io(training_data, collate_fn=collate_fn) \
@@ -307,6 +309,36 @@ class DeepSpeedEngine(nn.Module):
         stage; returns ``(path, client_state)``, or ``(None, None)`` when there is nothing to load."""
         return _checkpoint.load_checkpoint(self, load_dir, tag, load_module_strict, load_optimizer_states,
                                            load_lr_scheduler_states, load_module_only)
+
+    def save_16bit_model(self, save_dir: Any, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """The model's weights, whole, in their training dtype (16-bit with fp16/bf16), as one
+        ``torch.save`` file written by rank 0 (every rank calls it: at stage 3 the weights are gathered
+        one module at a time). At stage 3 this needs ``stage3_gather_16bit_weights_on_model_save``;
+        without it nothing is written and False is returned (DeepSpeed's behaviour), with a warning."""
+        zero = self.config.zero_optimization
+        if zero.stage == 3 and not zero.gather_16bit_weights_on_model_save:
+            logger.warning("save_16bit_model: nothing saved: at stage 3 the weights are partitioned, and "
+                           "zero_optimization.stage3_gather_16bit_weights_on_model_save is false (set it true to "
+                           "gather them on rank 0 when saving)")
+            return False
+        if self.zero is not None:
+            state = self.zero.full_state_dict()
+        else:
+            state = {k: v.detach().clone() for k, v in self.module.state_dict().items()} if self.global_rank == 0 \
+                else {}
+        if exclude_frozen_parameters:
+            frozen = {name for name, p in self.module.named_parameters() if not p.requires_grad}
+            state = {k: v for k, v in state.items() if k not in frozen}
+        if self.global_rank == 0:
+            os.makedirs(save_dir, exist_ok=True)
+            path = os.path.join(save_dir, save_filename)
+            torch.save(state, path + ".tmp")
+            os.replace(path + ".tmp", path)  # never a torn file under the name
+        ds_comm.barrier()
+        return True
+
+    save_fp16_model = save_16bit_model  # DeepSpeed's older name
 
     def _loader_state(self) -> dict | None:
         sampler = getattr(self.training_dataloader, "sampler", None)

@@ -128,7 +128,9 @@ def _my_pieces(zero: ZeroOptimizer) -> Iterator[tuple[Any, int, int]]:
         slot = zero.layout.slots[piece.index]
         flat = slot.offset + piece.param_offset
         bucket = zero.layout.buckets[piece.bucket]
-        in_master = flat if (zero._master is None or zero.stage == 0) else piece.partition_offset
+        # the master copy is the flat buffer in float32 (the whole layout below stage 3, the partition at 3)
+        whole_layout = zero.stage == 0 or (zero._master is None and zero.stage < 3)
+        in_master = flat if whole_layout else piece.partition_offset
         in_step = (flat - bucket.offset) if zero.stage == 0 else piece.partition_offset - starts[piece.bucket]
         yield piece, in_master, in_step
 
@@ -180,6 +182,7 @@ def _other_entries(zero: ZeroOptimizer) -> dict[str, torch.Tensor]:
 
 def zero_state(zero: ZeroOptimizer) -> dict[str, Any]:
     """This rank's part of the checkpoint as a DCP state dict (see the module docstring)."""
+    zero._refuse_with_nvme("save_zero_checkpoint")
     sized, scalars = _tensor_states(zero)
     out: dict[str, Any] = _piece_entries(zero, sized)
     first = zero.optimizer.state[zero._step_params[0]] if scalars else {}
@@ -195,7 +198,7 @@ def zero_metadata(zero: ZeroOptimizer) -> dict[str, Any]:
     groups = [{k: v for k, v in g.items() if k != "params"} for g in zero.optimizer.param_groups]
     return {"format": FORMAT, "zero_stage": zero.stage, "world_size": zero.world_size, "precision": zero.precision,
             "optimizer": type(zero.optimizer).__name__, "param_groups": groups,
-            "names": _names(zero), "shapes": [list(p.shape) for p in zero._params],
+            "names": _names(zero), "shapes": [list(s.shape) for s in zero.layout.slots],
             "micro_step": zero._micro_step, "skipped_steps": zero.skipped_steps,
             "loss_scaler": zero.scaler.state_dict() if zero.scaler is not None else None}
 
@@ -205,7 +208,7 @@ def check_compatible(zero: ZeroOptimizer, meta: dict[str, Any], where: str) -> N
     shapes; any world size and stage are fine."""
     if meta.get("format") != FORMAT:
         raise ValueError(f"{where}: checkpoint format {meta.get('format')!r}, this ds-zero reads {FORMAT}")
-    names, shapes = _names(zero), [list(p.shape) for p in zero._params]
+    names, shapes = _names(zero), [list(s.shape) for s in zero.layout.slots]
     saved = dict(zip(meta["names"], meta["shapes"], strict=True))
     missing = [n for n in names if n not in saved]
     extra = [n for n in saved if n not in names]
@@ -222,6 +225,7 @@ def load_zero_state(zero: ZeroOptimizer, checkpoint_id: Any, meta: dict[str, Any
                     extra: dict[str, Any] | None = None) -> None:
     """Load a checkpoint written by `zero_state` from any world size and stage into ``zero``, in place
     (every rank calls it; DCP reads only the ranges this rank holds)."""
+    zero._refuse_with_nvme("load_zero_checkpoint")
     check_compatible(zero, meta, "ZeroOptimizer.load")
     saved_keys = set(SafeReader(checkpoint_id).read_metadata().state_dict_metadata)
     sized = sorted({k.split("/")[1] for k in saved_keys if k.startswith("optim/")}) if load_optimizer else []
@@ -263,8 +267,7 @@ def load_zero_state(zero: ZeroOptimizer, checkpoint_id: Any, meta: dict[str, Any
     if zero._master is not None:
         for copy, tensor in zip(zero._copies, zero._step_params, strict=True):
             copy.copy_(tensor.detach())
-    if zero.stage > 0:
-        zero._gather_parameters()
+    zero._refresh_parameters()
 
 
 META_FILE = "zero_meta.json"

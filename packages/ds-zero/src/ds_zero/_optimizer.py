@@ -54,6 +54,7 @@ from ._model import (
     unpartition,
     version,
 )
+from ._nvme import NvmeOptimizer
 from ._precision import (
     DTYPES,
     adam_recipe,
@@ -103,13 +104,14 @@ class ZeroOptimizer:
     ``gradient_accumulation_steps``: micro-steps per optimizer step; ``backward`` divides the loss by
     it, as DeepSpeed's engine does. ``communication_data_type``: the dtype gradients are reduced in
     ("fp32", "fp16", "bf16"; default: float32 for bf16, else the gradients' dtype). ``group``: the
-    data-parallel process group (default: all ranks).
+    data-parallel process group (default: all ranks). ``aio``: the ``aio`` section (or the whole
+    config) for ``offload_optimizer.device: nvme``.
     """
 
     def __init__(self, model: nn.Module, optimizer: type[torch.optim.Optimizer] | Callable = torch.optim.AdamW, *,
                  optimizer_kwargs: dict[str, Any] | None = None, config: Any = None, fp16: Any = None,
                  bf16: Any = None, gradient_clipping: float = 0.0, gradient_accumulation_steps: int = 1,
-                 communication_data_type: Any = None, group: Any = None):
+                 communication_data_type: Any = None, group: Any = None, aio: Any = None):
         if not isinstance(model, nn.Module):
             raise ValueError(f"ZeroOptimizer: model must be a torch.nn.Module, got {type(model).__name__}")
         if not callable(optimizer):
@@ -145,7 +147,9 @@ class ZeroOptimizer:
             raise RuntimeError("ZeroOptimizer: the process group is not initialised; call ds_comm.init_distributed() first")
         self.model, self.group, self._params = model, group, params
         self.stage = self.config.stage
-        self.offload = self.config.offload_optimizer is not None and self.config.offload_optimizer.device == "cpu"
+        offload_device = self.config.offload_optimizer.device if self.config.offload_optimizer is not None else "none"
+        self.offload = offload_device in ("cpu", "nvme")  # the optimizer steps on the CPU (ds_ops' Adam)
+        self._nvme = None  # NvmeOptimizer: Adam's states (and the master copy) on NVMe
         self.gradient_clipping = float(gradient_clipping)
         self.gradient_accumulation_steps = gradient_accumulation_steps
         self.world_size, self.rank = ds_comm.get_world_size(group), ds_comm.get_rank(group)
@@ -175,7 +179,7 @@ class ZeroOptimizer:
         self._flat = torch.zeros(layout.numel if self.stage < 3 else layout.shard_numel, dtype=self.dtype)
         self._master = None  # a float32 master copy of what this rank steps, when the model is 16-bit
         self._hooks: list[Any] = []  # removed by close()
-        if self.dtype != torch.float32:
+        if self.dtype != torch.float32 and offload_device != "nvme":  # NVMe: the master copy is on disk
             self._master = torch.zeros(layout.numel if self.stage == 0 else layout.shard_numel, dtype=torch.float32)
         if self.stage == 3:
             self._fill_partitions(params)
@@ -218,6 +222,13 @@ class ZeroOptimizer:
         self._step_params = [nn.Parameter(master[at:at + n], requires_grad=True) for at, n in in_master]
         self.optimizer = optimizer(self._step_params, **(optimizer_kwargs or {}))
         self._check_optimizer()
+        if offload_device == "nvme":
+            nvme = self.config.offload_optimizer
+            self._nvme = NvmeOptimizer(layout.shard_numel, sub_group_size=self.config.sub_group_size,
+                                       master=self.dtype != torch.float32, nvme_path=nvme.nvme_path, aio=aio,
+                                       rank=self.rank, pipeline_read=nvme.pipeline_read,
+                                       pipeline_write=nvme.pipeline_write)
+            self._nvme.initialize(self._flat)
         # the fused path: 16-bit models and CPU offload step Adam-family optimizers with ds_ops.adam_step
         self._recipe = adam_recipe(self.optimizer) if (self._master is not None or self.offload) else None
         self._copies = None if self._master is None else [self._flat[s:s + n] for s, n in self._owned]
@@ -300,8 +311,11 @@ class ZeroOptimizer:
             coefficient = 1.0
             if self.gradient_clipping > 0:
                 coefficient = min(1.0, self.gradient_clipping / (self._global_grad_norm + 1e-6))
-            fused_adam_step(self.optimizer, self._recipe, self._step_params, self._step_grads,
-                            self._copies, scale / coefficient)
+            if self._nvme is not None:
+                self._nvme_step(scale / coefficient)
+            else:
+                fused_adam_step(self.optimizer, self._recipe, self._step_params, self._step_grads,
+                                self._copies, scale / coefficient)
         elif self._master_grads is not None:
             multiplier = 1.0 / scale
             if self.gradient_clipping > 0:
@@ -316,11 +330,18 @@ class ZeroOptimizer:
                 coefficient = (self.gradient_clipping / (norm + 1e-6)).clamp(max=1.0)
                 torch._foreach_mul_([t.grad for t in self._step_params], coefficient)
             self.optimizer.step()
-        if self._stage3 is not None:
-            self._stage3.after_step()
-        elif self.stage > 0:
-            self._gather_parameters()
+        self._refresh_parameters()
         return True
+
+    def _nvme_step(self, grad_scale: float) -> None:
+        """Adam over the partition with its states on NVMe; the step count lives in the optimizer's
+        state as torch keeps it (schedulers and state_dict see it)."""
+        group = self.optimizer.param_groups[0]
+        state = self.optimizer.state[self._step_params[0]]
+        step = int(float(state.get("step", 0))) + 1
+        for tensor in self._step_params:
+            self.optimizer.state[tensor]["step"] = torch.tensor(float(step))
+        self._nvme.step(self._flat, self._partition, step, self._recipe.hyperparameters(group), grad_scale)
 
     def zero_grad(self) -> None:
         """Zero the accumulated gradients (between boundaries this would drop micro-steps: it is a
@@ -344,6 +365,9 @@ class ZeroOptimizer:
         self._work, self._buffer_work = [], []
         if self._stage3 is not None:  # every parameter whole again (a collective: every rank closes)
             self._stage3.gather_all()
+        if self._nvme is not None:
+            self._nvme.close()
+            self._nvme = None
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
@@ -365,6 +389,23 @@ class ZeroOptimizer:
         except Exception as e:  # the group may be gone already; nothing to finish then
             logger.debug("ZeroOptimizer.close: pending reductions not completed (%s)", e)
 
+    def full_state_dict(self, *, rank0_only: bool = True) -> dict[str, torch.Tensor]:
+        """The model's ``state_dict()`` with every parameter whole, as copies in its training dtype
+        (stage 3 gathers one unit at a time: every rank calls it). With ``rank0_only`` the other ranks
+        get ``{}`` and hold no copy (``stage3_gather_16bit_weights_on_model_save``)."""
+        keep = not rank0_only or self.rank == 0
+        whole: dict[int, torch.Tensor] = {}
+        if self._stage3 is not None:
+            for unit in self._stage3.units:
+                self._stage3.hold(unit)
+                if keep:
+                    whole.update({id(p): p.detach().clone() for p in unit.params})
+                self._stage3.unhold(unit, None)
+        if not keep:
+            return {}
+        return {name: whole[id(t)] if id(t) in whole else t.detach().clone()
+                for name, t in self.model.state_dict(keep_vars=True).items()}
+
     def get_global_grad_norm(self) -> float | None:
         """The L2 norm of the whole (reduced, unscaled, unclipped) gradient at the last step; None
         before one and after a skipped (overflowed) step."""
@@ -382,9 +423,13 @@ class ZeroOptimizer:
 
         grads = [self._grads if self.stage < 2 else self._partition, self._master_grads]
         gathered = self._stage3.held_bytes() if self._stage3 is not None else 0  # stage 3: whole units now
-        return {"params": size([self._flat]) + gathered, "grads": size(grads), "master": size([self._master]),
-                "optimizer": size(t for state in self.optimizer.state.values() for t in state.values()),
-                "buffers": size([*self._bucket_buffers, *self._received])}
+        out = {"params": size([self._flat]) + gathered, "grads": size(grads), "master": size([self._master]),
+               "optimizer": size(t for state in self.optimizer.state.values() for t in state.values()),
+               "buffers": size([*self._bucket_buffers, *self._received])}
+        if self._nvme is not None:  # RAM: its chunk buffers; the states and master copy are on disk
+            out["optimizer"] += self._nvme.memory_bytes()
+            out["nvme"] = self._nvme.offloaded_bytes
+        return out
 
     def _identity(self) -> dict[str, Any]:
         return {"zero_stage": self.stage, "world_size": self.world_size, "rank": self.rank, "precision": self.precision,
@@ -393,6 +438,7 @@ class ZeroOptimizer:
     def state_dict(self) -> dict[str, Any]:
         """This rank's part: the optimizer's state over its shards, the float32 master copy (16-bit
         models), the loss scaler (fp16), and what it was laid out for."""
+        self._refuse_with_nvme("state_dict")
         state = {**self._identity(), "micro_step": self._micro_step, "optimizer": self.optimizer.state_dict(),
                  "skipped_steps": self.skipped_steps}
         if self._master is not None:
@@ -421,19 +467,20 @@ class ZeroOptimizer:
             self._master.copy_(state["master"])
             for copy, tensor in zip(self._copies, self._step_params, strict=True):
                 copy.copy_(tensor.detach())
-            if self._stage3 is not None:
-                self._stage3.after_step()
-            elif self.stage > 0:
-                self._gather_parameters()
+            self._refresh_parameters()
 
     # ------------------------------------------------------------------------------------ internals
+    def _refuse_with_nvme(self, what: str) -> None:
+        if self._nvme is not None:
+            raise NotImplementedError(f"ZeroOptimizer.{what} with offload_optimizer.device 'nvme' is not implemented "
+                                      f"yet in ds-zero {version()}: its states are in files under "
+                                      f"{self._nvme.directory}; checkpoint with offload 'cpu'")
+
     def _refuse_what_is_not_implemented(self) -> None:
         config = self.config
-        for key in ("offload_optimizer", "offload_param"):
-            section = getattr(config, key)
-            if section is not None and section.device == "nvme":
-                raise NotImplementedError(f"zero_optimization.{key}.device 'nvme' (ZeRO-Infinity) is not implemented "
-                                          f"yet in ds-zero {version()}; use 'cpu' (see the package README)")
+        if config.offload_param is not None and config.offload_param.device == "nvme":
+            raise NotImplementedError(f"zero_optimization.offload_param.device 'nvme' (parameters on NVMe) is not "
+                                      f"implemented yet in ds-zero {version()}; use 'cpu' (see the package README)")
         offload = config.offload_optimizer
         if offload is not None and offload.device == "cpu" and offload.ratio != 1.0:
             raise NotImplementedError(f"zero_optimization.offload_optimizer.ratio {offload.ratio:g} (partial offload) "
@@ -491,9 +538,11 @@ class ZeroOptimizer:
 
     def _shard_modified(self, bucket: int) -> None:
         """GatheredParameters changed a unit's shard: the master copy follows."""
+        start, shard = self._shard_starts[bucket], self.layout.buckets[bucket].shard
         if self._master is not None:
-            start, shard = self._shard_starts[bucket], self.layout.buckets[bucket].shard
             self._master[start:start + shard].copy_(self._flat[start:start + shard])
+        elif self._nvme is not None and self._nvme.master:
+            self._nvme.write_master(start, self._flat[start:start + shard].float())
 
     def _make_reduction_buffers(self) -> None:
         """Stage 2 reduces from bucket buffers (two: one fills while the other's reduce-scatter is in
@@ -646,6 +695,14 @@ class ZeroOptimizer:
                 squares[piece.index] += torch.linalg.vector_norm(part, dtype=torch.float32).square()
         ds_comm.all_reduce(squares, group=self.group)
         return torch.linalg.vector_norm(squares.sqrt())
+
+    def _refresh_parameters(self) -> None:
+        """After the stepped part changed: every rank's shards into the parameters (stages 1-2), or
+        into the units gathered now (stage 3: the others are gathered when used)."""
+        if self._stage3 is not None:
+            self._stage3.after_step()
+        elif self.stage > 0:
+            self._gather_parameters()
 
     def _gather_parameters(self) -> None:
         """Every rank's updated shards into every rank's parameters: one in-place all-gather per
