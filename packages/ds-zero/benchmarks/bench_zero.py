@@ -1,4 +1,4 @@
-"""ds-zero against DDP (and torch's ZeroRedundancyOptimizer) on the engine workload of DESIGN.md §9.
+"""ds-zero against DDP, torch's ZeroRedundancyOptimizer and FSDP2 on the engine workload of DESIGN.md §9.
 
 A GPT-style pre-LN decoder (vocab 8192, d_model 512, 8 layers, 8 heads, sequence 256, untied LM
 head, no dropout: about 34M parameters), micro-batch 4 per rank, synthetic tokens, 2 ranks x 1
@@ -10,7 +10,10 @@ bytes and peak RSS per rank; ``--json PATH`` writes the same figures.
 
 bf16: DDP runs the float32 model under ``torch.autocast("cpu", torch.bfloat16)`` (what a PyTorch user
 would do); ds-zero runs the model in bfloat16 with a float32 master copy (``bf16.enabled``), as
-DeepSpeed does. ``zero-2-offload`` is stage 2 with ``offload_optimizer.device: cpu``.
+DeepSpeed does. ``zero-2-offload`` is stage 2 with ``offload_optimizer.device: cpu``; ``fsdp2`` is
+``fully_shard`` on each block and on the model with torch's AdamW (what a user would pick instead of
+ZeRO-3); ``zero-3-offload`` offloads parameters and optimizer to the CPU, ``zero-3-nvme`` puts the
+optimizer's states on disk (``--nvme-path``, 1M-element sub-groups, pipelined reads and writes).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import argparse
 import json
 import resource
 import statistics
+import tempfile
 import time
 
 import torch
@@ -71,7 +75,8 @@ def _state_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t) and t.dim() > 0)
 
 
-def run(rank: int, world_size: int, kind: str, gas: int, steps: int, bucket: int | None, precision: str) -> dict:
+def run(rank: int, world_size: int, kind: str, gas: int, steps: int, bucket: int | None, precision: str,
+        nvme_path: str | None = None) -> dict:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = GPT()
@@ -130,8 +135,13 @@ def run(rank: int, world_size: int, kind: str, gas: int, steps: int, bucket: int
             return _state_bytes(local(params)) + _state_bytes(local(p.grad for p in params)) + \
                 _state_bytes(local(states))
     else:
-        stage = int(kind.removeprefix("zero-").removesuffix("-offload"))
+        stage = int(kind.removeprefix("zero-").removesuffix("-offload").removesuffix("-nvme"))
         config = {"stage": stage} if bucket is None else {"stage": stage, "reduce_bucket_size": bucket}
+        if kind.endswith("-nvme"):  # the optimizer's states on disk, 1M-element chunks, I/O overlapped
+            config["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_path, "pipeline_read": True,
+                                           "pipeline_write": True}
+            config["offload_param"] = {"device": "cpu"}
+            config["sub_group_size"] = 1_000_000
         if kind.endswith("-offload"):
             config["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
             if stage == 3:
@@ -160,7 +170,8 @@ def run(rank: int, world_size: int, kind: str, gas: int, steps: int, bucket: int
             "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 
-KINDS = ["ddp", "torch-zero1", "zero-0", "zero-1", "zero-2", "zero-2-offload", "fsdp2", "zero-3", "zero-3-offload"]
+KINDS = ["ddp", "torch-zero1", "zero-0", "zero-1", "zero-2", "zero-2-offload", "fsdp2", "zero-3", "zero-3-offload",
+         "zero-3-nvme"]
 # Stage 3 as a user short of memory sets it (FSDP2's behaviour): a unit is released after its
 # forward (DeepSpeed's default reuse distance, 1e9 elements, keeps the whole model of this size
 # gathered from forward to backward), and about one block (3.1M elements) is gathered ahead.
@@ -192,6 +203,8 @@ def main() -> None:
     parser.add_argument("--bucket", type=float, default=None, help="ds-zero's reduce_bucket_size (elements; "
                         "default: DeepSpeed's 5e8, one bucket for this model)")
     parser.add_argument("--json", help="write the figures here too")
+    parser.add_argument("--nvme-path", default=None, help="directory for zero-3-nvme's optimizer states (default: "
+                        "a temporary directory, removed afterwards)")
     parser.add_argument("--force-bf16", action="store_true", help="time bf16 even where bf16 matmuls are emulated")
     args = parser.parse_args()
     if args.steps < 4:
@@ -207,6 +220,8 @@ def main() -> None:
           f"AdamW; {args.steps} steps, median of steps 3..{args.steps}, {args.rounds} round(s); ds-zero "
           f"reduce_bucket_size {'5e8 (default)' if args.bucket is None else f'{args.bucket:g}'}", flush=True)
     rows = []
+    scratch = tempfile.TemporaryDirectory(prefix="bench_zero_nvme_") if args.nvme_path is None else None
+    nvme_path = args.nvme_path or scratch.name
     for precision in args.precision:
         for gas in args.gas:
             medians: dict[str, list[float]] = {k: [] for k in args.kinds}
@@ -216,7 +231,8 @@ def main() -> None:
                 # (this machine drifts within minutes, so no configuration always runs first or last)
                 for kind in args.kinds[r % len(args.kinds):] + args.kinds[:r % len(args.kinds)]:
                     bucket = None if args.bucket is None else int(args.bucket)
-                    results = spawn(run, world_size=2, args=(kind, gas, args.steps, bucket, precision), timeout=3600)
+                    results = spawn(run, world_size=2, args=(kind, gas, args.steps, bucket, precision, nvme_path),
+                                    timeout=3600)
                     per_step = [max(r["times"][i] for r in results) for i in range(args.steps)]
                     medians[kind].append(statistics.median(per_step[2:]))
                     extra[kind] = {"state_bytes": max(r["state_bytes"] for r in results),

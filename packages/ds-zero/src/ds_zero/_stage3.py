@@ -147,9 +147,11 @@ class Stage3:
         self._ahead: set[int] = set()  # units gathered ahead of their request
         self._in_backward: set[int] = set()  # units requested in this backward
         self._saved_hooks: list[Any] = []
+        self._pending: tuple[Any, list[int]] | None = None  # a check in flight and the prefetches it announces
         self.gathers = 0  # all-gathers issued (for tests and the benchmark)
         self._hooks: list[Any] = []
         self._names = {unit.index: unit.name for unit in self.units}
+        self._check_group = _check_group(group)
         for p, (unit, k) in self._owners().items():
             p.ds_shape, p.ds_numel = unit.shapes[k], unit.shapes[k].numel()
             p._ds_stage3 = (self, unit.index)
@@ -230,6 +232,7 @@ class Stage3:
         while self._saved_hooks:
             self._saved_hooks.pop().__exit__(None, None, None)
         if check:
+            self._flush()
             self._check(END_OF_FORWARD)
 
     def _pack(self, tensor: torch.Tensor) -> Any:
@@ -249,21 +252,42 @@ class Stage3:
 
     # ---------------------------------------------------------------------------- fetch/release
     def request(self, unit: Unit, phase: str) -> None:
-        """Make ``unit`` whole here: check that every rank asks for the same unit, gather it (or wait
-        for its prefetch), point its parameters at it, and prefetch what the trace says comes next."""
-        self._check(2 * unit.index + (phase == "backward"))
+        """Make ``unit`` whole here: gather it (or wait for its prefetch), point its parameters at it,
+        and decide what to prefetch. No gather is issued before every rank has said it issues the
+        same: an on-demand gather checks at once (`_check`); prefetches are announced with a check
+        that runs while this module computes and are issued at the next request (`_flush`), so a
+        step that follows its trace waits for no other rank at module boundaries."""
+        self._flush()
         self._recording.append(unit.index)
+        code = 2 * unit.index + (phase == "backward")
+        on_trace = False
         if self._position is not None and self._trace is not None:
             if self._position < len(self._trace) and self._trace[self._position] == unit.index:
                 self._position += 1
-                self._prefetch()
+                on_trace = True
             else:
                 self._position = None
                 self._drop_ahead()
         self._ahead.discard(unit.index)
         if unit.full is None:
+            self._check(code, [unit.index])
             self._gather(unit)
+        prefetch = self._to_prefetch() if on_trace else []
+        if prefetch:
+            self._pending = (self._start_check(code, prefetch), prefetch)
         self._point(unit)
+
+    def _flush(self) -> None:
+        """The announced prefetches: wait for their check, then issue them."""
+        if self._pending is None:
+            return
+        check, units = self._pending
+        self._pending = None
+        self._verify(*check)
+        for u in units:
+            if self.units[u].full is None:
+                self._gather(self.units[u])
+                self._ahead.add(u)
 
     def _gather(self, unit: Unit) -> None:
         bucket = unit.bucket
@@ -324,19 +348,25 @@ class Stage3:
         """Elements gathered now (persistent units not counted)."""
         return sum(u.bucket.padded for u in self.units if u.full is not None and not u.persistent)
 
-    def _prefetch(self) -> None:
+    def _to_prefetch(self) -> list[int]:
+        """The units next in the trace to gather now: none while more than half of
+        ``stage3_prefetch_bucket_size`` is gathered ahead (so refills come in batches: fewer checks),
+        else as many as fit in it and in ``stage3_max_live_parameters``."""
         ahead = sum(self.units[u].numel for u in self._ahead)
+        if ahead > self.prefetch_bucket_size // 2:
+            return []
         live = self.live_numel()
+        out: list[int] = []
         for u in self._trace[self._position:]:
             unit = self.units[u]
-            if unit.persistent or unit.full is not None:
+            if unit.persistent or unit.full is not None or u in out:
                 continue
             if ahead + unit.numel > self.prefetch_bucket_size or live + unit.bucket.padded > self.max_live:
                 break
-            self._gather(unit)
-            self._ahead.add(u)
+            out.append(u)
             ahead += unit.numel
             live += unit.bucket.padded
+        return out
 
     def _drop_ahead(self) -> None:
         for u in list(self._ahead):
@@ -351,6 +381,7 @@ class Stage3:
     def after_backward(self) -> None:
         """End of a backward: every rank agrees it ended, every non-persistent unit is released, and
         this step's requests become the trace the next step prefetches by."""
+        self._flush()
         self._check(END_OF_BACKWARD)
         for unit in self.units:
             self.release(unit)
@@ -378,14 +409,28 @@ class Stage3:
             work.wait()
 
     # --------------------------------------------------------------------------- desync guard
-    def _check(self, code: int) -> None:
-        """All ranks must be at the same point: ``code`` is 2 × unit + (1 in backward), or an END."""
-        mine = torch.tensor([code], dtype=torch.int64)
-        everyone = torch.empty(self.world_size, dtype=torch.int64)
-        ds_comm.all_gather_into_tensor(everyone, mine, group=self.group)
-        if bool((everyone == code).all()):
+    def _check(self, code: int, gathers: list[int] = ()) -> None:
+        """All ranks must be at the same point and about to issue the same gathers (see `_start_check`)."""
+        self._verify(*self._start_check(code, gathers))
+
+    def _start_check(self, code: int, gathers: list[int]) -> tuple[Any, torch.Tensor, torch.Tensor]:
+        """Announce ``code`` (2 × the unit requested + 1 in backward, or an END) and the units about to
+        be gathered, on a group of its own. Only requests that gather announce (a request served by a
+        prefetch issues no collective), so a rank whose path differs is caught at its first gather
+        that differs, or at the end of the forward or backward, before any collective of other sizes."""
+        digest = 0
+        for u in gathers:
+            digest = (digest * 1_000_003 + u + 1) % (1 << 61)
+        mine = torch.tensor([code, len(gathers), digest], dtype=torch.int64)
+        everyone = torch.empty(3 * self.world_size, dtype=torch.int64)
+        work = ds_comm.all_gather_into_tensor(everyone, mine, group=self._check_group, async_op=True)
+        return work, everyone, mine
+
+    def _verify(self, work: Any, everyone: torch.Tensor, mine: torch.Tensor) -> None:
+        work.wait()
+        if bool((everyone.view(-1, 3) == mine).all()):
             return
-        asked = "; ".join(f"rank {r}: {self._describe(c)}" for r, c in enumerate(everyone.tolist()))
+        asked = "; ".join(f"rank {r}: {self._describe(int(c))}" for r, c in enumerate(everyone.view(-1, 3)[:, 0]))
         raise RuntimeError(f"ZeRO stage 3: the ranks took different paths through the model ({asked}). Every rank "
                            "must call the same modules in the same order (data-dependent branches must decide the "
                            "same on every rank), since each module's parameters are gathered from all ranks")
@@ -420,6 +465,7 @@ class Stage3:
 
     def gather_all(self) -> None:
         """Every unit whole again, for good (`ZeroOptimizer.close`)."""
+        self._flush()
         for unit in self.units:
             if unit.full is None:
                 self._gather(unit)
@@ -440,6 +486,23 @@ class Stage3:
     def held_bytes(self) -> int:
         """Bytes of gathered buffers (persistent and in use)."""
         return sum(u.full.numel() * u.full.element_size() for u in self.units if u.full is not None)
+
+
+_check_groups: dict[tuple, Any] = {}
+
+
+def _check_group(group: Any) -> Any:
+    """A process group of ``group``'s ranks for the path checks alone. On the data group a check
+    would queue behind the gathers and reductions in flight (gloo runs a group's collectives in
+    order), making every request wait for them: 27% of a step on the §9 workload. Made once per
+    set of ranks (creating a group is a collective of every rank)."""
+    import torch.distributed as dist
+
+    ranks = tuple(dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size()))
+    key = (id(dist.distributed_c10d._get_default_group()), ranks)
+    if key not in _check_groups:
+        _check_groups[key] = ds_comm.new_group(list(ranks))
+    return _check_groups[key]
 
 
 def _tensors(value: Any) -> Iterator[torch.Tensor]:
