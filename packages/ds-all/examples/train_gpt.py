@@ -129,10 +129,10 @@ def main() -> int:
     model = GPT(**shape)
     micro = config["train_micro_batch_size_per_gpu"]
     data = Walks(samples=micro * 2 * args.steps, seq=shape["seq"], used=USED_TOKENS["tiny" if args.tiny else "full"])
+    parameters = sum(p.numel() for p in model.parameters())  # counted whole (ZeRO-3 partitions them)
     engine, _, loader, _ = ds_all.initialize(model=model, config=config, training_data=data)
     rank = ds_all.comm.get_rank()
     if rank == 0:
-        parameters = sum(p.numel() for p in model.parameters())
         print(f"GPT {parameters / 1e6:.1f}M parameters, {ds_all.comm.get_world_size()} ranks, ZeRO stage "
               f"{engine.zero_optimization_stage()}, {'bf16' if engine.bf16_enabled() else 'float32'}, "
               f"{args.steps} steps" + (f"\n{note}" if note else ""), flush=True)

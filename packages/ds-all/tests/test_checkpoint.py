@@ -23,7 +23,8 @@ def _config(stage: int, **extra) -> dict:
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
             "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 1e-2, "warmup_num_steps": 4,
                                                          "warmup_type": "linear"}},
-            "zero_optimization": {"stage": stage, "reduce_bucket_size": 200}, **extra}
+            "zero_optimization": {"stage": stage, "reduce_bucket_size": 200,
+                                  **({"stage3_param_persistence_threshold": 0} if stage == 3 else {})}, **extra}
 
 
 def _data() -> torch.utils.data.Dataset:
@@ -54,8 +55,8 @@ def first_run(rank, world_size, path, stage):
     _train(engine, batches, SAVE_AT)
     engine.save_checkpoint(path, client_state={"epoch": 3, "note": "hi", "ema": torch.arange(3.0)})
     losses = _train(engine, batches, STEPS)  # the same pass goes on
+    engine.destroy()  # stage 3: the parameters whole again
     weights = [p.detach().clone().tolist() for p in engine.module.parameters()]
-    engine.destroy()
     return losses, weights
 
 
@@ -64,13 +65,13 @@ def resumed_run(rank, world_size, path, stage):
     loaded, client = engine.load_checkpoint(path)
     assert engine.global_steps == SAVE_AT
     losses = _train(engine, iter(loader), STEPS)  # the pass resumes where the checkpoint left it
-    weights = [p.detach().clone().tolist() for p in engine.module.parameters()]
     lr = engine.get_lr()
     engine.destroy()
+    weights = [p.detach().clone().tolist() for p in engine.module.parameters()]
     return losses, weights, os.path.basename(loaded), {**client, "ema": client["ema"].tolist()}, lr
 
 
-@pytest.mark.parametrize("stage", [0, 2])
+@pytest.mark.parametrize("stage", [0, 2, 3])
 def test_a_resumed_run_continues_bit_for_bit(tmp_path, stage):
     path = str(tmp_path / "ck")
     first = spawn(first_run, world_size=2, args=(path, stage))

@@ -13,7 +13,9 @@ would do); ds-zero runs the model in bfloat16 with a float32 master copy (``bf16
 DeepSpeed does. ``zero-2-offload`` is stage 2 with ``offload_optimizer.device: cpu``; ``fsdp2`` is
 ``fully_shard`` on each block and on the model with torch's AdamW (what a user would pick instead of
 ZeRO-3); ``zero-3-offload`` offloads parameters and optimizer to the CPU, ``zero-3-nvme`` puts the
-optimizer's states on disk (``--nvme-path``, 1M-element sub-groups, pipelined reads and writes).
+optimizer's states on disk (``--nvme-path``, 1M-element sub-groups, pipelined reads and writes);
+``zero-3-keep`` is stage 3 with DeepSpeed's defaults, whose reuse distance (1e9 elements) keeps every
+unit gathered from its forward to its backward (half the gathers, more memory).
 """
 
 from __future__ import annotations
@@ -135,7 +137,7 @@ def run(rank: int, world_size: int, kind: str, gas: int, steps: int, bucket: int
             return _state_bytes(local(params)) + _state_bytes(local(p.grad for p in params)) + \
                 _state_bytes(local(states))
     else:
-        stage = int(kind.removeprefix("zero-").removesuffix("-offload").removesuffix("-nvme"))
+        stage = int(kind.removeprefix("zero-").removesuffix("-offload").removesuffix("-nvme").removesuffix("-keep"))
         config = {"stage": stage} if bucket is None else {"stage": stage, "reduce_bucket_size": bucket}
         if kind.endswith("-nvme"):  # the optimizer's states on disk, 1M-element chunks, I/O overlapped
             config["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_path, "pipeline_read": True,
@@ -146,7 +148,7 @@ def run(rank: int, world_size: int, kind: str, gas: int, steps: int, bucket: int
             config["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
             if stage == 3:
                 config["offload_param"] = {"device": "cpu", "pin_memory": True}
-        if stage == 3:
+        if stage == 3 and not kind.endswith("-keep"):  # -keep: DeepSpeed's defaults (see STAGE3)
             config.update(STAGE3)
         zero = ZeroOptimizer(model, torch.optim.AdamW, optimizer_kwargs=adamw, config=config,
                              gradient_accumulation_steps=gas, bf16={"enabled": bf16})
@@ -171,7 +173,7 @@ def run(rank: int, world_size: int, kind: str, gas: int, steps: int, bucket: int
 
 
 KINDS = ["ddp", "torch-zero1", "zero-0", "zero-1", "zero-2", "zero-2-offload", "fsdp2", "zero-3", "zero-3-offload",
-         "zero-3-nvme"]
+         "zero-3-nvme", "zero-3-keep"]
 # Stage 3 as a user short of memory sets it (FSDP2's behaviour): a unit is released after its
 # forward (DeepSpeed's default reuse distance, 1e9 elements, keeps the whole model of this size
 # gathered from forward to backward), and about one block (3.1M elements) is gathered ahead.

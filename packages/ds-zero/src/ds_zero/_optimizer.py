@@ -417,7 +417,8 @@ class ZeroOptimizer:
         ``grads`` (full at stages 0-1, this rank's partition at stages 2-3, plus
         float32 copies for a non-Adam optimizer of a 16-bit model), ``master`` (the float32 copy of
         what this rank steps; none in float32 training, where the parameters are the master),
-        ``optimizer`` (the optimizer's state tensors), and ``buffers`` (reusable reduction buffers)."""
+        ``optimizer`` (the optimizer's state tensors), and ``buffers`` (reusable reduction buffers; at stage 3
+        also released gather buffers kept for reuse)."""
         def size(tensors) -> int:
             return sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t) and t.dim() > 0)
 
@@ -425,7 +426,8 @@ class ZeroOptimizer:
         gathered = self._stage3.held_bytes() if self._stage3 is not None else 0  # stage 3: whole units now
         out = {"params": size([self._flat]) + gathered, "grads": size(grads), "master": size([self._master]),
                "optimizer": size(t for state in self.optimizer.state.values() for t in state.values()),
-               "buffers": size([*self._bucket_buffers, *self._received])}
+               "buffers": size([*self._bucket_buffers, *self._received]) +
+               (self._stage3.pooled_bytes() if self._stage3 is not None else 0)}
         if self._nvme is not None:  # RAM: its chunk buffers; the states and master copy are on disk
             out["optimizer"] += self._nvme.memory_bytes()
             out["nvme"] = self._nvme.offloaded_bytes
