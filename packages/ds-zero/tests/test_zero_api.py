@@ -103,11 +103,12 @@ def test_unused_parameters_are_zero_or_named(stage):
 
 
 def state_round_trip(rank, world_size, stage):
+    config = {"stage": stage, "reduce_bucket_size": 20_000, "stage3_param_persistence_threshold": 0}
     straight = _model()
-    zero = ZeroOptimizer(straight, torch.optim.AdamW, config={"stage": stage, "reduce_bucket_size": 20_000})
+    zero = ZeroOptimizer(straight, torch.optim.AdamW, config=config)
     _train(zero, straight, 5, rank)
     resumed = _model()
-    first = ZeroOptimizer(resumed, torch.optim.AdamW, config={"stage": stage, "reduce_bucket_size": 20_000})
+    first = ZeroOptimizer(resumed, torch.optim.AdamW, config=config)
     for step in range(3):
         g = torch.Generator().manual_seed(100 * step + rank)
         first.backward(resumed(torch.randn(8, 128, generator=g)).square().mean())
@@ -116,14 +117,22 @@ def state_round_trip(rank, world_size, stage):
     state = copy.deepcopy(first.state_dict())
     weights = copy.deepcopy(resumed.state_dict())
     again = _model()
-    again.load_state_dict(weights)
-    second = ZeroOptimizer(again, torch.optim.AdamW, config={"stage": stage, "reduce_bucket_size": 20_000})
+    if stage < 3:
+        again.load_state_dict(weights)
+    else:  # the weights are this rank's shards in the state: start from other values
+        with torch.no_grad():
+            for p in again.parameters():
+                p.add_(1.0)
+    second = ZeroOptimizer(again, torch.optim.AdamW, config=config)
     second.load_state_dict(state)
     for step in range(3, 5):
         g = torch.Generator().manual_seed(100 * step + rank)
         second.backward(again(torch.randn(8, 128, generator=g)).square().mean())
         second.step()
         second.zero_grad()
+    if stage == 3:
+        zero.close()  # whole again
+        second.close()
     same = all(torch.equal(a, b) for a, b in zip(straight.parameters(), again.parameters(), strict=True))
     wrong = dict(state, zero_stage=(stage + 1) % 3)
     try:
@@ -133,7 +142,7 @@ def state_round_trip(rank, world_size, stage):
     return same, None
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_state_dict_round_trip_resumes_exactly(stage):
     for same, message in spawn(state_round_trip, world_size=2, args=(stage,)):
         assert same

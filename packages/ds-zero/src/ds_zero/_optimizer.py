@@ -439,10 +439,13 @@ class ZeroOptimizer:
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's part: the optimizer's state over its shards, the float32 master copy (16-bit
-        models), the loss scaler (fp16), and what it was laid out for."""
+        models), the loss scaler (fp16), what it was laid out for, and at stage 3 this rank's shards of
+        the parameters (the model's own ``state_dict()`` holds empty tensors there)."""
         self._refuse_with_nvme("state_dict")
         state = {**self._identity(), "micro_step": self._micro_step, "optimizer": self.optimizer.state_dict(),
                  "skipped_steps": self.skipped_steps}
+        if self.stage == 3:
+            state["partition"] = self._flat.clone()
         if self._master is not None:
             state["master"] = self._master.clone()
         if self.scaler is not None:
@@ -452,7 +455,8 @@ class ZeroOptimizer:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load a `state_dict` saved by the same rank of the same layout (loading on another world
         size or stage is the checkpoint issue's reshaping). Every rank calls it: with a master copy
-        the parameters are set from it and gathered."""
+        the parameters are set from it and gathered (at stage 3, from the shards in the state)."""
+        self._refuse_with_nvme("load_state_dict")
         for key, value in self._identity().items():
             if key not in state:
                 raise ValueError(f"ZeroOptimizer.load_state_dict: the state has no {key!r}")
@@ -461,6 +465,8 @@ class ZeroOptimizer:
                 raise ValueError(f"ZeroOptimizer.load_state_dict: saved with {key}={short(saved)}, this optimizer "
                                  f"has {key}={short(value)}")
         self.optimizer.load_state_dict(state["optimizer"])
+        if self.stage == 3:
+            self._flat.copy_(state["partition"])
         self._micro_step = int(state["micro_step"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
         if self.scaler is not None:
@@ -469,6 +475,7 @@ class ZeroOptimizer:
             self._master.copy_(state["master"])
             for copy, tensor in zip(self._copies, self._step_params, strict=True):
                 copy.copy_(tensor.detach())
+        if self._master is not None or self.stage == 3:
             self._refresh_parameters()
 
     # ------------------------------------------------------------------------------------ internals
