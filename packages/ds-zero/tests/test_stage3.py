@@ -316,3 +316,72 @@ def test_an_unwritable_or_full_nvme_path_is_an_error_before_training(tmp_path):
         assert len(messages) == 2, messages
         assert f"nvme_path '{tmp_path}/file/sub' is not a writable directory" in messages[0], messages[0]
         assert f"nvme_path '{tmp_path}' has 1000 bytes free" in messages[1] and "bytes (" in messages[1], messages[1]
+
+
+class Checkpointed(nn.Module):
+    """TinyGPT whose blocks run under torch.utils.checkpoint (recomputed in backward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gpt = TinyGPT()
+
+    def forward(self, tokens):
+        gpt = self.gpt
+        x = gpt.tok(tokens) + gpt.pos(torch.arange(tokens.shape[1]))
+        for block in gpt.blocks:
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+        logits = gpt.head(gpt.norm(x))
+        return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+
+
+def checkpointed_and_evaluated(rank, world_size):
+    runs = {}
+    for stage in (2, 3):
+        torch.manual_seed(0)
+        model = Checkpointed()
+        config = STAGE3 if stage == 3 else {"stage": 2, "reduce_bucket_size": 2000}
+        zero = ZeroOptimizer(model, torch.optim.AdamW, optimizer_kwargs=ADAMW, config=config)
+        evaluations = []
+        for step in range(4):
+            _train(model, zero, 1, rank, batch=lambda s, m, r, step=step: _batch(step, m, r))
+            with torch.no_grad():  # an evaluation between steps: no backward follows this forward
+                evaluations.append(model(_batch(100, 0, rank)).item())
+        params = _whole(model, zero) if stage == 3 else [p.detach().clone() for p in model.parameters()]
+        runs[stage] = (params, evaluations)
+    same = all(torch.equal(a, b) for a, b in zip(runs[2][0], runs[3][0], strict=True))
+    return same, runs[2][1] == runs[3][1]
+
+
+def test_activation_checkpointing_and_evaluation_forwards_at_stage_3():
+    # blocks recomputed in backward gather their units again; a no_grad forward between steps gathers
+    # and releases without a backward: the same parameters and evaluation losses as stage 2
+    for same, same_evaluations in spawn(checkpointed_and_evaluated, world_size=2):
+        assert same and same_evaluations
+
+
+def parameters_on_nvme(rank, world_size, path, precision):
+    torch.manual_seed(0)
+    base = TinyGPT().to(torch.bfloat16 if precision == "bf16" else torch.float32)  # bf16: same start for both
+    runs = {}
+    for device in ("cpu", "nvme"):
+        model = copy.deepcopy(base)
+        offload = {"device": device, "nvme_path": path, "pipeline_read": True, "pipeline_write": True}
+        zero = ZeroOptimizer(model, torch.optim.AdamW, optimizer_kwargs=ADAMW, bf16={"enabled": precision == "bf16"},
+                             config={**STAGE3, "sub_group_size": 4096, "offload_optimizer": offload,
+                                     "offload_param": {"device": device, "nvme_path": path}})
+        losses = _train(model, zero, 5, rank)
+        memory = {**zero.memory_bytes(), "partition": zero._flat.untyped_storage().nbytes()}
+        runs[device] = (_whole(model, zero), losses, memory)
+    same = all(torch.equal(a, b) for a, b in zip(runs["cpu"][0], runs["nvme"][0], strict=True))
+    return same, runs["cpu"][1] == runs["nvme"][1], runs["cpu"][2], runs["nvme"][2]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_parameters_and_optimizer_on_nvme_train_as_with_cpu_offload(tmp_path, precision):
+    for same, same_losses, cpu, nvme in spawn(parameters_on_nvme, world_size=2, args=(str(tmp_path), precision)):
+        assert same and same_losses
+        # RAM keeps no parameter partition (only the persistent LayerNorms, whole) and no optimizer state
+        # but its chunk buffers; the disk holds it all (shards padded to 4 KiB for O_DIRECT)
+        assert nvme["partition"] == 0 < cpu["partition"], (nvme, cpu)
+        assert nvme["nvme"] >= cpu["partition"] + cpu["optimizer"] + cpu["master"], (nvme, cpu)
+    assert not list(tmp_path.glob("ds_zero_optimizer_*"))

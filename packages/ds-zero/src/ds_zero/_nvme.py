@@ -25,6 +25,10 @@ import ds_ops
 from ds_io import AioConfig, TensorSwapper
 
 STATES = ("exp_avg", "exp_avg_sq")
+PARAMS = "params"  # the key of the whole parameter partition, when the parameters are on NVMe too
+# The partition starts this many bytes into its file: ds-io's handle truncates a file written at offset 0
+# to the bytes written (DeepSpeed's pwrite), which a write of the first chunk in place must not do.
+HEADER = 4096
 
 
 def check_nvme_path(path: str | os.PathLike, needed: int, what: str) -> Path:
@@ -52,13 +56,16 @@ class NvmeOptimizer:
     partition is the master and stays in RAM)."""
 
     def __init__(self, numel: int, *, sub_group_size: int, master: bool, nvme_path: str, aio: Any, rank: int,
-                 pipeline_read: bool, pipeline_write: bool):
+                 pipeline_read: bool, pipeline_write: bool, param_dtype: torch.dtype | None = None):
         self.numel, self.master = numel, master
+        self.param_dtype = param_dtype  # the parameter partition's dtype when it is on NVMe too, else None
         self.kinds = (("master",) if master else ()) + STATES
         self.chunks = [(start, min(sub_group_size, numel - start)) for start in range(0, numel, sub_group_size)]
-        self.offloaded_bytes = 4 * numel * len(self.kinds)
-        root = check_nvme_path(nvme_path, self.offloaded_bytes, f"offload_optimizer (rank {rank}: "
-                               f"{' + '.join(self.kinds)} of {numel} elements)")
+        self._param_size = param_dtype.itemsize if param_dtype is not None else 0
+        self.offloaded_bytes = 4 * numel * len(self.kinds) + self._param_size * numel
+        what = " + ".join((*self.kinds, *(("parameters",) if param_dtype is not None else ())))
+        root = check_nvme_path(nvme_path, self.offloaded_bytes, f"ZeRO-Infinity (rank {rank}: {what} of {numel} "
+                               "elements)")
         self.directory = root / f"ds_zero_optimizer_rank{rank}_{os.getpid()}_{uuid.uuid4().hex[:8]}"
         aio_config = aio if isinstance(aio, AioConfig) else AioConfig.from_section_or_ds_config(aio)
         self.swapper = TensorSwapper(self.directory, aio_config)
@@ -66,11 +73,18 @@ class NvmeOptimizer:
         sets = 2 if (pipeline_read or pipeline_write) and len(self.chunks) > 1 else 1
         largest = max(n for _, n in self.chunks)
         self._buffers = [{kind: torch.zeros(largest, dtype=torch.float32) for kind in self.kinds} for _ in range(sets)]
+        if param_dtype is not None:
+            for buffers in self._buffers:
+                buffers["param"] = torch.zeros(largest, dtype=param_dtype)
         self._writes: list[Any] = [None] * sets
         self.bytes_read = self.bytes_written = 0
 
     def initialize(self, partition: torch.Tensor) -> None:
-        """Zero states and (``master``) the float32 value of ``partition`` into every chunk's files."""
+        """Zero states and (``master``) the float32 value of ``partition`` into every chunk's files;
+        with the parameters on NVMe, ``partition`` itself into its file (the caller may free it then)."""
+        if self.param_dtype is not None:
+            header = torch.zeros(HEADER // self._param_size, dtype=self.param_dtype)
+            self.swapper.swap_out([torch.cat([header, partition])], keys=[PARAMS]).wait()
         buffers = self._buffers[0]
         for i, (start, n) in enumerate(self.chunks):
             for kind in STATES:
@@ -82,43 +96,65 @@ class NvmeOptimizer:
     def _keys(self, chunk: int) -> list[str]:
         return [f"{kind}.{chunk}" for kind in self.kinds]
 
-    def _read(self, chunk: int, which: int) -> Any:
-        n = self.chunks[chunk][1]
-        if self._writes[which] is not None:  # that buffer set's last chunk must be on disk first
-            self._writes[which].wait()
-            self._writes[which] = None
+    def _read(self, chunk: int, which: int) -> list[Any]:
+        start, n = self.chunks[chunk]
+        for write in self._writes[which] or ():  # that buffer set's last chunk must be on disk first
+            write.wait()
+        self._writes[which] = None
         self.bytes_read += 4 * n * len(self.kinds)
-        return self.swapper.swap_in(self._keys(chunk), out=[self._buffers[which][k][:n] for k in self.kinds])
+        buffers = self._buffers[which]
+        reads = [self.swapper.swap_in(self._keys(chunk), out=[buffers[k][:n] for k in self.kinds])]
+        if self.param_dtype is not None and not self.master:  # float32 on NVMe: the parameters are the master
+            reads.append(self.start_read_params(start, n, out=buffers["param"][:n])[0])
+            self.bytes_read += self._param_size * n
+        return reads
 
-    def step(self, params: torch.Tensor, grads: torch.Tensor, step: int, hyper: dict[str, Any],
+    def start_read_params(self, start: int, n: int, out: torch.Tensor | None = None) -> tuple[Any, torch.Tensor]:
+        """Start reading elements ``[start, start + n)`` of the parameter partition (on NVMe)."""
+        out = torch.empty(n, dtype=self.param_dtype) if out is None else out
+        return self.swapper.swap_in([PARAMS], out=[out], offset=HEADER + start * self._param_size), out
+
+    def write_params(self, start: int, values: torch.Tensor) -> None:
+        """Overwrite elements ``[start, start + len(values))`` of the parameter partition (on NVMe)."""
+        self.swapper.swap_out([values.contiguous()], keys=[PARAMS], offset=HEADER + start * self._param_size).wait()
+
+    def step(self, params: torch.Tensor | None, grads: torch.Tensor, step: int, hyper: dict[str, Any],
              grad_scale: float) -> None:
         """One Adam step of the whole partition: ``params`` (float32: the master; 16-bit: receives the
-        rounded update) and ``grads`` (the reduced gradient partition), chunk by chunk."""
+        rounded update; None when the parameters are on NVMe: read and written here) and ``grads`` (the
+        reduced gradient partition), chunk by chunk."""
         sets = len(self._buffers)
+        on_disk = self.param_dtype is not None
         reads = {0: self._read(0, 0)}
         for i, (start, n) in enumerate(self.chunks):
             which = i % sets
             if self.pipeline_read and i + 1 < len(self.chunks):
                 reads[i + 1] = self._read(i + 1, (i + 1) % sets)
-            reads.pop(i).wait()
+            for read in reads.pop(i):
+                read.wait()
             buffers = self._buffers[which]
-            master = buffers["master"][:n] if self.master else params[start:start + n]
+            weights = buffers["param"][:n] if on_disk else params[start:start + n]
+            master = buffers["master"][:n] if self.master else weights
             ds_ops.adam_step(master, grads[start:start + n], buffers["exp_avg"][:n], buffers["exp_avg_sq"][:n], step,
-                             grad_scale=grad_scale, half_copy=params[start:start + n] if self.master else None,
+                             grad_scale=grad_scale, half_copy=weights if self.master else None,
                              check_finite=False, **hyper)
             # in place (offset 0): a whole-key write would keep the previous version as a spare file
-            write = self.swapper.swap_out([buffers[k][:n] for k in self.kinds], keys=self._keys(i), offset=0)
+            writes = [self.swapper.swap_out([buffers[k][:n] for k in self.kinds], keys=self._keys(i), offset=0)]
             self.bytes_written += 4 * n * len(self.kinds)
+            if on_disk:
+                writes.append(self.swapper.swap_out([weights], keys=[PARAMS], offset=HEADER + start * self._param_size))
+                self.bytes_written += self._param_size * n
             if self.pipeline_write:
-                self._writes[which] = write
+                self._writes[which] = writes
             else:
-                write.wait()
+                for write in writes:
+                    write.wait()
             if not self.pipeline_read and i + 1 < len(self.chunks):
                 reads[i + 1] = self._read(i + 1, (i + 1) % sets)
-        for which, write in enumerate(self._writes):
-            if write is not None:
+        for which, writes in enumerate(self._writes):
+            for write in writes or ():
                 write.wait()
-                self._writes[which] = None
+            self._writes[which] = None
 
     def write_master(self, start: int, values: torch.Tensor) -> None:
         """Overwrite the master copy's elements ``[start, start + len(values))`` (GatheredParameters

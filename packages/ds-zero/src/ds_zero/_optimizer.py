@@ -164,10 +164,13 @@ class ZeroOptimizer:
         bucket_size = min(self.config.reduce_bucket_size, OVERLAP_BUCKET_ELEMENTS)
         shapes = [full_shape(p) for p in params]
         units = hooked = None
+        params_on_nvme = self.config.offload_param is not None and self.config.offload_param.device == "nvme"
         if self.stage == 3:  # one bucket per fetch unit (a module's parameters)
             units, hooked = plan_units(model, params)
+            # parameters on NVMe: every shard starts on a 4 KiB boundary of the file (O_DIRECT reads)
+            align = 4096 // self.dtype.itemsize if params_on_nvme else 1
             self.layout = FlatLayout(shapes, world_size=self.world_size, bucket_size=bucket_size,
-                                     groups=[members for _, members in units])
+                                     groups=[members for _, members in units], align=align)
         else:
             self.layout = FlatLayout(shapes, world_size=self.world_size, bucket_size=bucket_size)
         layout = self.layout
@@ -227,8 +230,12 @@ class ZeroOptimizer:
             self._nvme = NvmeOptimizer(layout.shard_numel, sub_group_size=self.config.sub_group_size,
                                        master=self.dtype != torch.float32, nvme_path=nvme.nvme_path, aio=aio,
                                        rank=self.rank, pipeline_read=nvme.pipeline_read,
-                                       pipeline_write=nvme.pipeline_write)
+                                       pipeline_write=nvme.pipeline_write,
+                                       param_dtype=self.dtype if params_on_nvme else None)
             self._nvme.initialize(self._flat)
+            if params_on_nvme:  # the partition lives in its file now: RAM keeps no copy
+                self._stage3.shards = self._nvme
+                self._flat.untyped_storage().resize_(0)
         # the fused path: 16-bit models and CPU offload step Adam-family optimizers with ds_ops.adam_step
         self._recipe = adam_recipe(self.optimizer) if (self._master is not None or self.offload) else None
         self._copies = None if self._master is None else [self._flat[s:s + n] for s, n in self._owned]
@@ -341,7 +348,8 @@ class ZeroOptimizer:
         step = int(float(state.get("step", 0))) + 1
         for tensor in self._step_params:
             self.optimizer.state[tensor]["step"] = torch.tensor(float(step))
-        self._nvme.step(self._flat, self._partition, step, self._recipe.hyperparameters(group), grad_scale)
+        params = None if self._nvme.param_dtype is not None else self._flat  # None: on NVMe, stepped there
+        self._nvme.step(params, self._partition, step, self._recipe.hyperparameters(group), grad_scale)
 
     def zero_grad(self) -> None:
         """Zero the accumulated gradients (between boundaries this would drop micro-steps: it is a
@@ -424,7 +432,8 @@ class ZeroOptimizer:
 
         grads = [self._grads if self.stage < 2 else self._partition, self._master_grads]
         gathered = self._stage3.held_bytes() if self._stage3 is not None else 0  # stage 3: whole units now
-        out = {"params": size([self._flat]) + gathered, "grads": size(grads), "master": size([self._master]),
+        partition = self._flat.untyped_storage().nbytes()  # 0 when the parameters are on NVMe
+        out = {"params": partition + gathered, "grads": size(grads), "master": size([self._master]),
                "optimizer": size(t for state in self.optimizer.state.values() for t in state.values()),
                "buffers": size([*self._bucket_buffers, *self._received]) +
                (self._stage3.pooled_bytes() if self._stage3 is not None else 0)}
@@ -487,9 +496,11 @@ class ZeroOptimizer:
 
     def _refuse_what_is_not_implemented(self) -> None:
         config = self.config
-        if config.offload_param is not None and config.offload_param.device == "nvme":
-            raise NotImplementedError(f"zero_optimization.offload_param.device 'nvme' (parameters on NVMe) is not "
-                                      f"implemented yet in ds-zero {version()}; use 'cpu' (see the package README)")
+        if config.offload_param is not None and config.offload_param.device == "nvme" and \
+                (config.offload_optimizer is None or config.offload_optimizer.device != "nvme"):
+            raise NotImplementedError("zero_optimization.offload_param.device 'nvme' needs offload_optimizer.device "
+                                      f"'nvme' too in ds-zero {version()} (the optimizer step reads and writes the "
+                                      "parameters where they are)")
         offload = config.offload_optimizer
         if offload is not None and offload.device == "cpu" and offload.ratio != 1.0:
             raise NotImplementedError(f"zero_optimization.offload_optimizer.ratio {offload.ratio:g} (partial offload) "
@@ -545,13 +556,13 @@ class ZeroOptimizer:
                 params[index].data = torch.empty(0, dtype=self.dtype)
                 forget_init_partition(params[index])
 
-    def _shard_modified(self, bucket: int) -> None:
-        """GatheredParameters changed a unit's shard: the master copy follows."""
-        start, shard = self._shard_starts[bucket], self.layout.buckets[bucket].shard
+    def _shard_modified(self, bucket: int, values: torch.Tensor) -> None:
+        """GatheredParameters changed a unit's shard to ``values``: the master copy follows."""
+        start = self._shard_starts[bucket]
         if self._master is not None:
-            self._master[start:start + shard].copy_(self._flat[start:start + shard])
+            self._master[start:start + values.numel()].copy_(values)
         elif self._nvme is not None and self._nvme.master:
-            self._nvme.write_master(start, self._flat[start:start + shard].float())
+            self._nvme.write_master(start, values.float())
 
     def _make_reduction_buffers(self) -> None:
         """Stage 2 reduces from bucket buffers (two: one fills while the other's reduce-scatter is in

@@ -147,6 +147,8 @@ class Stage3:
         self._ahead: set[int] = set()  # units gathered ahead of their request
         self._in_backward: set[int] = set()  # units requested in this backward
         self._saved_hooks: list[Any] = []
+        self.shards: Any = None  # where this rank's shards are read and written when not in `partition` (NVMe)
+        self._reads: dict[int, Any] = {}  # shard reads started for announced prefetches
         self._pool: dict[int, list[torch.Tensor]] = {}  # released gather buffers by size, for reuse
         self._pending: tuple[Any, list[int]] | None = None  # a check in flight and the prefetches it announces
         self.gathers = 0  # all-gathers issued (for tests and the benchmark)
@@ -276,6 +278,8 @@ class Stage3:
         prefetch = self._to_prefetch() if on_trace else []
         if prefetch:
             self._pending = (self._start_check(code, prefetch), prefetch)
+            for u in prefetch:  # shards on NVMe: their reads run while the check does and the module computes
+                self._reads[u] = self._start_read(self.units[u])
         self._point(unit)
 
     def _flush(self) -> None:
@@ -289,13 +293,30 @@ class Stage3:
             if self.units[u].full is None:
                 self._gather(self.units[u])
                 self._ahead.add(u)
+            else:  # gathered meanwhile (a tied weight): its read is not needed
+                self._shard_of(self._reads.pop(u, self.partition[:0]))
+
+    def _start_read(self, unit: Unit) -> Any:
+        """This rank's shard of ``unit``: a view of the partition, or a read from NVMe started now."""
+        start, shard = self.shard_starts[unit.index], unit.bucket.shard
+        if self.shards is None:
+            return self.partition[start:start + shard]
+        return self.shards.start_read_params(start, shard)
+
+    @staticmethod
+    def _shard_of(read: Any) -> torch.Tensor:
+        if isinstance(read, torch.Tensor):
+            return read
+        request, shard = read
+        request.wait()
+        return shard
 
     def _gather(self, unit: Unit) -> None:
         bucket = unit.bucket
+        read = self._reads.pop(unit.index, None)
+        shard = self._shard_of(read if read is not None else self._start_read(unit))
         unit.full = self._buffer(bucket.padded)
-        start = self.shard_starts[unit.index]
-        unit.work = ds_comm.all_gather_bucket(unit.full, self.partition[start:start + bucket.shard],
-                                              group=self.group, async_op=True)
+        unit.work = ds_comm.all_gather_bucket(unit.full, shard, group=self.group, async_op=True)
         self.gathers += 1
         if not unit.persistent:  # views of a persistent unit stay valid: autograd may keep them
             self._by_storage[unit.full.untyped_storage().data_ptr()] = unit
@@ -418,12 +439,10 @@ class Stage3:
 
     def after_step(self) -> None:
         """The optimizer updated the shards: persistent (and held) units gather them again."""
-        works = []
-        for unit in self.units:
-            if unit.full is not None:
-                start = self.shard_starts[unit.index]
-                works.append(ds_comm.all_gather_bucket(unit.full, self.partition[start:start + unit.bucket.shard],
-                                                       group=self.group, async_op=True))
+        gathered = [unit for unit in self.units if unit.full is not None]
+        reads = [self._start_read(unit) for unit in gathered]
+        works = [ds_comm.all_gather_bucket(unit.full, self._shard_of(read), group=self.group, async_op=True)
+                 for unit, read in zip(gathered, reads, strict=True)]
         for work in works:
             work.wait()
 
@@ -476,8 +495,12 @@ class Stage3:
             source = ds_comm.get_global_rank(self.group, modifier_rank) if self.group is not None else modifier_rank
             ds_comm.broadcast(unit.full, src=source, group=self.group)
             start, shard = self.shard_starts[unit.index], unit.bucket.shard
-            self.partition[start:start + shard].copy_(unit.full[self.rank * shard:(self.rank + 1) * shard])
-            self.on_modified(unit.index)
+            mine = unit.full[self.rank * shard:(self.rank + 1) * shard]
+            if self.shards is None:
+                self.partition[start:start + shard].copy_(mine)
+            else:
+                self.shards.write_params(start, mine)
+            self.on_modified(unit.index, mine)
         unit.held -= 1
         if not unit.held:
             self.release(unit)
