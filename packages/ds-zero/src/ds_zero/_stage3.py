@@ -366,7 +366,11 @@ class Stage3:
         self._ahead.discard(unit.index)
 
     def _after_use(self, unit: Unit) -> None:
-        """After a module's forward: release ``unit`` unless the trace says it is used again soon."""
+        """After a module's forward: release ``unit`` unless the trace says it is used again soon, or
+        backward is using it (a forward recomputed by activation checkpointing runs inside backward:
+        the unit's gradients are still to come, and their reduction releases it)."""
+        if unit.index in self._in_backward and unit.full is not None:
+            return
         if not self._reused_soon(unit):
             self.release(unit)
 
