@@ -243,7 +243,7 @@ def refusals(rank, world_size):
 def test_what_is_not_built_yet_is_refused_by_name():
     for messages in spawn(refusals, world_size=2):
         assert len(messages) == 3, messages
-        assert "offload_param.device 'nvme' (parameters on NVMe) is not implemented" in messages[0]
+        assert "offload_param.device 'nvme' needs offload_optimizer.device 'nvme' too" in messages[0]
         assert "remote_device 'nvme'" in messages[1] and "modifier_rank" in messages[2]
 
 

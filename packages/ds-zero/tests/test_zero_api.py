@@ -152,7 +152,7 @@ def test_state_dict_round_trip_resumes_exactly(stage):
 
 @pytest.mark.parametrize(("kwargs", "error", "message"), [
     ({"config": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/tmp"}}}, NotImplementedError,
-     "offload_param.device 'nvme' (parameters on NVMe) is not implemented yet"),
+     "offload_param.device 'nvme' needs offload_optimizer.device 'nvme' too"),
     ({"config": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}}, NotImplementedError,
      "offload_optimizer.ratio 0.5 (partial offload) is not implemented"),
     ({"fp16": {"enabled": True, "fp16_master_weights_and_grads": True}}, NotImplementedError,
