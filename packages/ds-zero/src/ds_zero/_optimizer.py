@@ -63,6 +63,7 @@ from ._precision import (
     fused_adam_step,
     needs_whole_tensors,
 )
+from ._reduction import Reduction
 from ._scaler import LossScaler
 from ._stage3 import Stage3, plan_units
 from .config import BF16Config, FP16Config, ZeroConfig, mixed_precision
@@ -86,7 +87,7 @@ _NOT_YET = {
 }
 
 
-class ZeroOptimizer:
+class ZeroOptimizer(Reduction):
     """ZeRO stages 0-3 for ``model`` with ``optimizer`` (a class or a callable taking the list of
     tensors to optimize), in a plain loop::
 
@@ -388,15 +389,6 @@ class ZeroOptimizer:
         self._bucket_buffers, self._received, self._step_grads, self._copies = [], [], [], None
         self._closed = True
 
-    def _wait_reductions_quietly(self) -> None:
-        """Complete reductions still in flight (a close between backward and step), so no
-        collective is left half-issued on this rank."""
-        try:
-            for pending in [*self._work, *(w for w in self._buffer_work if w is not None)]:
-                _complete(*pending)
-        except Exception as e:  # the group may be gone already; nothing to finish then
-            logger.debug("ZeroOptimizer.close: pending reductions not completed (%s)", e)
-
     def full_state_dict(self, *, rank0_only: bool = True) -> dict[str, torch.Tensor]:
         """The model's ``state_dict()`` with every parameter whole, as copies in its training dtype
         (stage 3 gathers one unit at a time: every rank calls it). With ``rank0_only`` the other ranks
@@ -564,158 +556,6 @@ class ZeroOptimizer:
         elif self._nvme is not None and self._nvme.master:
             self._nvme.write_master(start, values.float())
 
-    def _make_reduction_buffers(self) -> None:
-        """Stage 2 reduces from bucket buffers (two: one fills while the other's reduce-scatter is in
-        flight, one if there is one bucket); stages 0-1 need them only to reduce in another dtype
-        (bf16 gradients summed in float32). Received buffers take a reduce-scatter's output when it
-        cannot land in the gradient partition directly (accumulation, another dtype)."""
-        buckets, comm = self.layout.buckets, self.communication_data_type
-        staged = self.stage >= 2 or comm != self.dtype
-        count = min(2, len(buckets)) if staged else 0
-        self._bucket_buffers = [torch.zeros(max(b.padded for b in buckets), dtype=comm) for _ in range(count)]
-        self._buffer_work: list[Any] = [None] * count
-        self._next_buffer = 0
-        received = staged and self.stage > 0 and (comm != self.dtype or self.gradient_accumulation_steps > 1)
-        shard = max(b.shard for b in buckets) if received else 0
-        self._received = [torch.zeros(shard, dtype=comm) for _ in range(count)] if received else []
-
-    def _shard(self, bucket) -> tuple[int, int]:
-        return self.layout.shard_range(bucket, self.rank)
-
-    def _on_gradient(self, param: torch.Tensor) -> None:
-        if not self._callback_queued:
-            self._callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._after_backward)
-        index = self._index_of[id(param)]
-        self._fired.add(index)
-        b = self._bucket_of[id(param)]
-        self._ready[b] += 1
-        if self._ready[b] == len(self.layout.buckets[b].slots):
-            self._reduce(b)
-
-    def _after_backward(self) -> None:
-        """End of a backward: buckets that still wait for a gradient are reduced now."""
-        self._callback_queued = False
-        if self._reduces_now():
-            self._reduce_leftovers()
-        if self._stage3 is not None:
-            self._stage3.after_backward()
-        self._ready = [0] * len(self.layout.buckets)
-        self._fired.clear()
-        self._reduced = [False] * len(self.layout.buckets)
-
-    def _reduce_leftovers(self) -> None:
-        """Reduce the buckets not reduced in this backward: their parameters without a gradient
-        count as zero (``ignore_unused_parameters``) or are an error naming them."""
-        left = [b for b in range(len(self.layout.buckets)) if not self._reduced[b]]
-        if left and not self.config.ignore_unused_parameters:
-            unused = sorted(i for b in left for i in self.layout.buckets[b].slots if i not in self._fired)
-            names = ", ".join(param_name(self.model, self._params[i]) for i in unused[:5])
-            raise RuntimeError(f"ZeroOptimizer: no gradient in this backward for {names}"
-                               f"{f' and {len(unused) - 5} more' if len(unused) > 5 else ''} "
-                               "(zero_optimization.ignore_unused_parameters is false)")
-        for b in left:
-            self._reduce(b)
-        if self.is_gradient_accumulation_boundary:
-            self._boundary_reduced = True
-
-    def _reduces_now(self) -> bool:
-        return self.stage >= 2 or self.is_gradient_accumulation_boundary
-
-    def _reduce(self, b: int) -> None:
-        """Start bucket ``b``'s reduction: gradients × 1/world_size (DDP's arithmetic), summed by an
-        all-reduce (stage 0) or a reduce-scatter into this rank's shard (stages 1-2). In place at
-        stages 0-1 when the reduction dtype is the gradients'; else through a staging buffer."""
-        if not self._reduces_now():
-            return
-        self._reduced[b] = True
-        bucket = self.layout.buckets[b]
-        scale = 1.0 / self.world_size
-        mine = self._step_grads[b]  # this rank's reduced gradients of the bucket end up here
-        if self.stage < 2:
-            grads = self._grads[bucket.offset:bucket.offset + bucket.padded]
-            if not self._bucket_buffers:
-                grads.mul_(scale)
-                if self.stage == 0:
-                    work = ds_comm.all_reduce(grads, group=self.group, async_op=True)
-                else:  # stage 1 needs only its shard: reduce-scatter in place (half all-reduce's traffic)
-                    work = ds_comm.reduce_scatter_bucket(grads, mine, group=self.group, async_op=True)
-                self._work.append((work, None))
-                return
-            which, buffer = self._staging_buffer(bucket.padded)
-            torch.mul(grads, scale, out=buffer)
-        else:
-            which, buffer = self._staging_buffer(bucket.padded)
-            for index in bucket.slots:
-                slot, param = self.layout.slots[index], self._params[index]
-                target = buffer[slot.offset - bucket.offset:][:slot.numel]
-                if param.grad is None or index not in self._fired:
-                    target.zero_()
-                else:
-                    torch.mul(param.grad.reshape(-1), scale, out=target)  # DDP's mul_out into its bucket
-                param.grad = None  # the full-size gradient is not needed any more
-            if bucket.padded > bucket.numel:
-                buffer[bucket.numel:].zero_()
-            if self._stage3 is not None:  # backward is done with this unit's parameters
-                self._stage3.after_reduction(b)
-        if self.stage == 0:
-            work = ds_comm.all_reduce(buffer, group=self.group, async_op=True)
-            self._buffer_work[which] = (work, lambda: grads.copy_(buffer))
-            return
-        # The first micro-step of an accumulation writes the shard directly when the dtypes agree;
-        # otherwise the reduce-scatter lands in a received buffer, then is copied or added.
-        first = self.stage == 1 or self._micro_step % self.gradient_accumulation_steps == 0
-        if first and mine.dtype == buffer.dtype:
-            work = ds_comm.reduce_scatter_bucket(buffer, mine, group=self.group, async_op=True)
-            self._buffer_work[which] = (work, None)
-            return
-        received = self._received[which][:bucket.shard]
-        work = ds_comm.reduce_scatter_bucket(buffer, received, group=self.group, async_op=True)
-        self._buffer_work[which] = (work, (lambda: mine.copy_(received)) if first else (lambda: mine.add_(received)))
-
-    def _staging_buffer(self, length: int) -> tuple[int, torch.Tensor]:
-        """The next bucket buffer (waiting for the reduction that still uses it, if any)."""
-        which = self._next_buffer
-        self._next_buffer = (which + 1) % len(self._bucket_buffers)
-        if self._buffer_work[which] is not None:
-            _complete(*self._buffer_work[which])
-            self._buffer_work[which] = None
-        return which, self._bucket_buffers[which][:length]
-
-    def _wait_reductions(self) -> None:
-        if not self._boundary_reduced:  # a backward in which no hook ran (no parameter got a gradient)
-            self._reduce_leftovers()
-        self._boundary_reduced = False
-        for pending in self._work:
-            _complete(*pending)
-        self._work.clear()
-        for which, pending in enumerate(self._buffer_work):
-            if pending is not None:
-                _complete(*pending)
-                self._buffer_work[which] = None
-
-    def _grad_norm(self) -> torch.Tensor:
-        """The global L2 norm as torch.nn.utils.clip_grad_norm_ computes it: the norm of the
-        per-parameter norms (in float32 whatever the gradients' dtype; inf or nan when a gradient
-        overflowed). Stage 0 holds every reduced gradient, so this is local and bitwise torch's; at
-        stages 1-2 each parameter's sum of squares is gathered from its pieces first."""
-        if self.stage == 0:
-            if self.dtype == torch.float32:
-                norms = torch._foreach_norm([p.grad for p in self._params])
-            else:
-                norms = [torch.linalg.vector_norm(p.grad, dtype=torch.float32) for p in self._params]
-            return torch.linalg.vector_norm(torch.stack(norms))
-        squares = torch.zeros(len(self._params), dtype=torch.float32)
-        for piece in self._pieces:
-            shard = self._step_grads[piece.bucket]
-            part = shard[piece.partition_offset - self._shard_starts[piece.bucket]:][:piece.numel]
-            if part.dtype == torch.float32:
-                squares[piece.index] += torch.dot(part, part)
-            else:
-                squares[piece.index] += torch.linalg.vector_norm(part, dtype=torch.float32).square()
-        ds_comm.all_reduce(squares, group=self.group)
-        return torch.linalg.vector_norm(squares.sqrt())
-
     def _refresh_parameters(self) -> None:
         """After the stepped part changed: every rank's shards into the parameters (stages 1-2), or
         into the units gathered now (stage 3: the others are gathered when used)."""
@@ -731,9 +571,3 @@ class ZeroOptimizer:
                  for b in self.layout.buckets]
         for work in works:
             work.wait()
-
-
-def _complete(work: Any, then: Callable | None) -> None:
-    work.wait()
-    if then is not None:
-        then()
