@@ -68,8 +68,11 @@ def test_the_readme_engine_example_runs_on_two_ranks_and_prints_what_it_says(tmp
     promised = re.search(r"# (.+)$", block.strip().splitlines()[-1]).group(1)
     script = tmp_path / "engine_example.py"
     script.write_text(block)
+    # one log per rank: two ranks printing to one pipe interleave their writes under python -u
     result = subprocess.run([sys.executable, "-m", "ds_launch", "--num_procs", "2", "--master_port", str(_free_port()),
-                             str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+                             "--enable_each_rank_log", str(tmp_path / "logs"), str(script)],
+                            capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.splitlines().count(promised) == 2, result.stdout  # each rank
-    assert len(re.findall(r"^\[ds_all\] step=[48], ", result.stdout, re.M)) == 2  # steps_per_print 4, rank 0
+    logs = [(tmp_path / "logs" / f"rank{r}.log").read_text() for r in range(2)]
+    assert [log.splitlines().count(promised) for log in logs] == [1, 1], logs  # each rank
+    assert len(re.findall(r"^\[ds_all\] step=[48], ", logs[0], re.M)) == 2, logs[0]  # steps_per_print 4, rank 0
