@@ -31,7 +31,8 @@ TEST_DEPS = ["pytest>=8", "pytest-timeout>=2.3", "numpy", TORCH]
 PACKAGES = ["ds-config", "ds-ops", "ds-profiler", "ds-launch", "ds-comm", "ds-io", "ds-compress", "ds-zero", "ds-pipe", "ds-all"]
 PACKAGES = [p for p in PACKAGES if (ROOT / "packages" / p / "pyproject.toml").exists()]
 # Packages whose issue asks for "installable and testable alone" in the test command.
-STANDALONE_IN_CI = ["ds-config", "ds-launch", "ds-profiler", "ds-ops", "ds-comm", "ds-io", "ds-compress", "ds-zero"]
+STANDALONE_IN_CI = ["ds-config", "ds-launch", "ds-profiler", "ds-ops", "ds-comm", "ds-io", "ds-compress", "ds-zero",
+                    "ds-pipe"]
 WHEELHOUSE = ROOT / ".nox" / "wheelhouse"
 
 nox.options.error_on_missing_interpreters = True

@@ -91,21 +91,6 @@ class DataTypesConfig(Section):
                                                                      "dtype (null: the model's).")
 
 
-class PipelineSectionConfig(Section):
-    """``pipeline``: the engine's pipeline keys (the PipelineModule's own come with ds-pipe)."""
-
-    section = "pipeline"
-
-    stages: int | Literal["auto"] = Field("auto", description="Pipeline stages (auto: from the module).")
-    partition: str = Field("best", description="How layers are split between stages.")
-    seed_layers: bool = Field(False, description="A different random seed per layer.")
-    activation_checkpoint_interval: int = Field(0, ge=0, description="Checkpoint every this many layers "
-                                                "(0: off).")
-    pipe_partitioned: bool = Field(True, description="Split activations sent between stages across "
-                                   "tensor-parallel ranks.")
-    grad_partitioned: bool = Field(True, description="Split gradients sent between stages likewise.")
-
-
 # DeepSpeed's optimizer types (lower case, as DeepSpeed compares them); any torch.optim class by name too.
 OPTIMIZERS = ("adam", "adamw", "lamb", "lion", "adagrad", "onebitadam", "zerooneadam", "onebitlamb",
               "muadam", "muadamw", "musgd")

@@ -23,6 +23,7 @@ from ds_comm import CommsLoggerConfig
 from ds_compress import CompressionConfig
 from ds_io import AioConfig
 from ds_ops import SparseAttentionConfig
+from ds_pipe import PipelineConfig
 from ds_profiler import FlopsProfilerConfig
 from ds_zero import BF16Config, FP16Config, ZeroConfig
 
@@ -32,7 +33,6 @@ from ._monitor_config import (
     CSVMonitorConfig,
     DataTypesConfig,
     OptimizerConfig,
-    PipelineSectionConfig,
     TensorBoardConfig,
     WandbConfig,
 )
@@ -89,7 +89,7 @@ class Config(Section):
     aio: AioConfig = Field(default_factory=AioConfig, description="ds-io's section.")
     compression_training: CompressionConfig = Field(default_factory=CompressionConfig, description="ds-compress's.")
     sparse_attention: SparseAttentionConfig | None = Field(None, description="ds-ops' section.")
-    pipeline: PipelineSectionConfig = Field(default_factory=PipelineSectionConfig, description="Pipeline keys.")
+    pipeline: PipelineConfig = Field(default_factory=PipelineConfig, description="Pipeline keys (ds_pipe).")
     tensorboard: TensorBoardConfig = Field(default_factory=TensorBoardConfig, description="TensorBoard monitor.")
     csv_monitor: CSVMonitorConfig = Field(default_factory=CSVMonitorConfig, description="CSV monitor.")
     wandb: WandbConfig = Field(default_factory=WandbConfig, description="Weights & Biases monitor.")
