@@ -167,6 +167,10 @@ def test_state_dict_round_trip_resumes_exactly(stage):
     ({"gradient_clipping": float("nan")}, ValueError, "gradient_clipping must be a number >= 0"),
     ({"gradient_accumulation_steps": 0}, ValueError, "gradient_accumulation_steps must be an integer >= 1, got 0"),
     ({"gradient_accumulation_steps": 2.0}, ValueError, "gradient_accumulation_steps must be an integer >= 1"),
+    ({"reduce_in_backward": False, "gradient_accumulation_steps": 4}, ValueError,
+     "reduce_in_backward=False means the caller accumulates the micro-steps and calls reduce_gradients() once per "
+     "step; gradient_accumulation_steps must be 1, got 4"),
+    ({"reduce_in_backward": False, "config": {"stage": 3}}, ValueError, "reduce_in_backward=False is for stages 0-2"),
     ({}, RuntimeError, "the process group is not initialised"),
 ])
 def test_bad_input_is_named_before_any_collective(kwargs, error, message):

@@ -59,9 +59,8 @@ class DeepSpeedEngine(nn.Module):
             self.zero = self.optimizer = ZeroOptimizer(
                 model, factory, config=config.zero_optimization, fp16=config.fp16, bf16=config.bf16,
                 gradient_clipping=config.gradient_clipping,
-                gradient_accumulation_steps=config.gradient_accumulation_steps,
                 communication_data_type=config.communication_data_type, group=self.data_parallel_group,
-                aio=config.aio)
+                aio=config.aio, **self._zero_options())
         try:  # what fails from here leaves no ZeRO hook on the caller's model
             self.lr_scheduler = self._scheduler(lr_scheduler)
             self.training_dataloader = self.deepspeed_io(training_data, collate_fn=collate_fn) \
@@ -83,6 +82,10 @@ class DeepSpeedEngine(nn.Module):
             logger.info("ds_all config:\n%s", config.model_dump_json(indent=2, exclude_defaults=True))
 
     # ------------------------------------------------------------------------------ construction
+    def _zero_options(self) -> dict[str, Any]:
+        """How ZeRO reduces: in its backward hooks, one micro-step per ``backward``/``step`` pair."""
+        return {"gradient_accumulation_steps": self.config.gradient_accumulation_steps}
+
     def _optimizer_factory(self, optimizer: Any, model_parameters: Any) -> Callable | None:
         """How ZeRO builds the optimizer over its flat tensors: the client's optimizer rebound to
         them, a client callable, or the config's ``optimizer`` section; None when there is none."""

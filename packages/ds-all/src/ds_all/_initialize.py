@@ -13,8 +13,10 @@ import torch
 from torch import nn
 
 import ds_comm
+from ds_pipe import PipelineModule
 
 from ._engine import DeepSpeedEngine
+from ._pipe_engine import PipelineEngine
 from .config import Config
 
 logger = logging.getLogger("ds_all")
@@ -90,6 +92,11 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
                                "(ds_comm.init_distributed) or leave dist_init_required unset")
         ds_comm.init_distributed()
         owns_group = True
+    pipeline = isinstance(model, PipelineModule)
+    if pipeline:
+        if mpu is not None:
+            raise ValueError("initialize: a PipelineModule brings its own topology (model.mpu()); do not pass mpu")
+        mpu = model.mpu()  # the data-parallel group is the stage's replicas
     try:
         dp_world_size = ds_comm.get_world_size(mpu.get_data_parallel_group() if mpu is not None else None)
         resolved = Config.load(source).resolve(dp_world_size=dp_world_size)
@@ -97,9 +104,10 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
             random.seed(resolved.seed)
             torch.manual_seed(resolved.seed)
         _show_progress_logs()
-        engine = DeepSpeedEngine(model=model, config=resolved, optimizer=optimizer, model_parameters=model_parameters,
-                                 lr_scheduler=lr_scheduler, training_data=training_data, collate_fn=collate_fn,
-                                 mpu=mpu, owns_process_group=owns_group)
+        engine_class = PipelineEngine if pipeline else DeepSpeedEngine
+        engine = engine_class(model=model, config=resolved, optimizer=optimizer, model_parameters=model_parameters,
+                              lr_scheduler=lr_scheduler, training_data=training_data, collate_fn=collate_fn,
+                              mpu=mpu, owns_process_group=owns_group)
     except BaseException:
         if owns_group:  # nothing half-built is left behind: the group this call created goes too
             ds_comm.destroy_process_group()

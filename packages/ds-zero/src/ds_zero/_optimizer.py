@@ -112,7 +112,8 @@ class ZeroOptimizer(Reduction):
     def __init__(self, model: nn.Module, optimizer: type[torch.optim.Optimizer] | Callable = torch.optim.AdamW, *,
                  optimizer_kwargs: dict[str, Any] | None = None, config: Any = None, fp16: Any = None,
                  bf16: Any = None, gradient_clipping: float = 0.0, gradient_accumulation_steps: int = 1,
-                 communication_data_type: Any = None, group: Any = None, aio: Any = None):
+                 communication_data_type: Any = None, group: Any = None, aio: Any = None,
+                 reduce_in_backward: bool = True):
         if not isinstance(model, nn.Module):
             raise ValueError(f"ZeroOptimizer: model must be a torch.nn.Module, got {type(model).__name__}")
         if not callable(optimizer):
@@ -132,6 +133,14 @@ class ZeroOptimizer(Reduction):
         if isinstance(gradient_accumulation_steps, bool) or not isinstance(gradient_accumulation_steps, int) \
                 or gradient_accumulation_steps < 1:
             raise ValueError(f"gradient_accumulation_steps must be an integer >= 1, got {gradient_accumulation_steps!r}")
+        if not reduce_in_backward and gradient_accumulation_steps != 1:
+            raise ValueError("ZeroOptimizer: reduce_in_backward=False means the caller accumulates the micro-steps and "
+                             "calls reduce_gradients() once per step; gradient_accumulation_steps must be 1, got "
+                             f"{gradient_accumulation_steps}")
+        if not reduce_in_backward and self.config.stage == 3:
+            raise ValueError("ZeroOptimizer: reduce_in_backward=False is for stages 0-2 (a pipeline stage's optimizer); "
+                             "stage 3 gathers and releases parameters in the backward's hooks")
+        self.reduce_in_backward = bool(reduce_in_backward)
         params = trainable(model)
         for p in params:
             if hasattr(p, "_ds_stage3"):
@@ -260,7 +269,8 @@ class ZeroOptimizer(Reduction):
         self._global_grad_norm: float | None = None
         self.reduction_wait_s = 0.0  # seconds step() has waited for reductions (the engine's "allreduce" timer)
         self._closed = False
-        self._hooks += [p.register_post_accumulate_grad_hook(self._on_gradient) for p in params]
+        if self.reduce_in_backward:
+            self._hooks += [p.register_post_accumulate_grad_hook(self._on_gradient) for p in params]
 
     # ------------------------------------------------------------------------------------- loop API
     @property
@@ -351,6 +361,20 @@ class ZeroOptimizer(Reduction):
             self.optimizer.state[tensor]["step"] = torch.tensor(float(step))
         params = None if self._nvme.param_dtype is not None else self._flat  # None: on NVMe, stepped there
         self._nvme.step(params, self._partition, step, self._recipe.hyperparameters(group), grad_scale)
+
+    def reduce_gradients(self) -> None:
+        """Start the reduction of every bucket from the gradients in ``.grad`` (with
+        ``reduce_in_backward=False``: the caller's backward passes are done); `step` waits for it. A
+        parameter without a gradient counts as zeros."""
+        if self.reduce_in_backward:
+            raise RuntimeError("ZeroOptimizer.reduce_gradients: this optimizer reduces in its backward hooks; build it "
+                               "with reduce_in_backward=False to reduce by hand")
+        self._fired = {i for i, p in enumerate(self._params) if p.grad is not None}
+        for b in range(len(self.layout.buckets)):
+            self._reduce(b)
+        self._boundary_reduced = True
+        self._fired.clear()
+        self._reduced = [False] * len(self.layout.buckets)
 
     def zero_grad(self) -> None:
         """Zero the accumulated gradients (between boundaries this would drop micro-steps: it is a
