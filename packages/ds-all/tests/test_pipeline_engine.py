@@ -3,12 +3,17 @@ ZeRO 0-2 (2 stages x 2 data-parallel replicas), with every schedule; what it ref
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ds_comm.testing import spawn
+from ds_comm.testing import free_port, spawn
 
 D, ROWS, MICRO_BATCHES, STEPS, LR = 12, 3, 4, 3, 0.05
 
@@ -123,3 +128,18 @@ def test_pipeline_engine_refuses_what_it_cannot_do():
         assert out["forward"].startswith("PipelineEngine: the schedule runs the forward")
         assert out["step"].startswith("PipelineEngine: train_batch() steps the optimizer")
         assert out["no data"].startswith("engine.train_batch: no data for this stage")
+
+
+def test_the_readme_pipeline_example_runs_on_two_ranks_and_prints_what_it_says(tmp_path):
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = re.findall(r"```python\n(.*?)```", readme.split("## Pipelines", 1)[1], re.S)[0]
+    promised = re.search(r"# (.+)$", block.strip().splitlines()[-1]).group(1)
+    script = tmp_path / "pipeline_example.py"
+    script.write_text(block)
+    result = subprocess.run([sys.executable, "-m", "ds_launch", "--num_procs", "2", "--master_port", str(free_port()),
+                             "--enable_each_rank_log", str(tmp_path / "logs"), str(script)],
+                            capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    logs = [(tmp_path / "logs" / f"rank{r}.log").read_text() for r in range(2)]
+    assert [log.splitlines().count(promised) for log in logs] == [1, 1], logs
+    assert re.search(r"^\[ds_all\] step=20, ", logs[0], re.M), logs[0]  # steps_per_print 10, rank 0

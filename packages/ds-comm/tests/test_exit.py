@@ -71,10 +71,11 @@ def _run_pairs(runs: int, code: int, concurrent: int = 2) -> list:
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_ranks_that_build_an_optimizer_after_init_leave_with_their_exit_code():
-    """40 runs, each a fresh pair of interpreters: init, an optimizer after init, training, then
+    """12 runs, each a fresh pair of interpreters: init, an optimizer after init, training, then
     sys.exit(7) with the group alive. Before: 134 (gloo's worker thread, releasing the last
-    collective's tensors after interpreter shutdown began, aborted the process) in 1 to 10 ranks of 100."""
-    runs, start = 40, time.monotonic()
+    collective's tensors after interpreter shutdown began, aborted the process) in 1 to 10 ranks of 100,
+    so 24 ranks catch its return more often than not (it was 40 runs: 3 of CI's 30 minutes)."""
+    runs, start = 12, time.monotonic()
     statuses = _run_pairs(runs, 7)
     seconds = time.monotonic() - start
     failures = [s for s in statuses if s != 7]

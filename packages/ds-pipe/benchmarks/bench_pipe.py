@@ -17,6 +17,7 @@ the step) and the bubble each schedule predicts at these costs; ``--json PATH`` 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import time
@@ -98,6 +99,16 @@ def layer_costs(repeats: int = 3) -> list[float]:
         costs.append(statistics.median(times))
         x = out.detach()
     return costs
+
+
+def interleaved_bounds(costs: list[float]) -> list[int]:
+    """Four parts (2 stages x 2 chunks) with the shortest estimated step: ``m`` times the busier stage's
+    sum plus the bubble, about ``p - 1`` times the heaviest part (balancing the parts alone can leave
+    one stage a block heavier; balancing the stages alone, one chunk five blocks long)."""
+    def estimate(cuts):
+        parts = [sum(costs[a:b]) for a, b in itertools.pairwise([0, *cuts, len(costs)])]
+        return PIPE_MICRO_BATCHES * max(parts[0] + parts[2], parts[1] + parts[3]) + (STAGES - 1) * max(parts)
+    return [0, *min(itertools.combinations(range(1, len(costs)), 3), key=estimate), len(costs)]
 
 
 def _timed(steps, train_step):
@@ -186,7 +197,7 @@ def main() -> None:
         parser.error("--steps must be >= 3 (steps 3.. are timed)")
     costs = layer_costs()
     bounds = {"1f1b": partition_balanced(costs, STAGES), "zero_bubble": partition_balanced(costs, STAGES),
-              "interleaved": partition_balanced(costs, 2 * STAGES)}
+              "interleaved": interleaved_bounds(costs)}
     print("layer fwd+bwd ms: " + " ".join(f"{c * 1e3:.0f}" for c in costs))
     print(f"boundaries: 2 stages {bounds['1f1b']}, interleaved 4 parts {bounds['interleaved']}; "
           f"{PIPE_MICRO_BATCHES} micro-batches x {MICRO_BATCH} rows vs DDP 2 x {DP_GAS} x {MICRO_BATCH} rows", flush=True)

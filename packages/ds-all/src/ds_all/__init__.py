@@ -9,19 +9,23 @@ monitors from the config. ``import ds_all as deepspeed`` runs a DeepSpeed traini
         engine.backward(loss)
         engine.step()
 
-``ds_all.comm``, ``ds_all.zero`` and ``ds_all.ops`` are ds-comm, ds-zero and ds-ops (DeepSpeed's
-``deepspeed.comm``, ``deepspeed.zero``, ``deepspeed.ops``); ``ds_all.versions()`` gives every part's version.
+``ds_all.comm``, ``ds_all.zero``, ``ds_all.ops`` and ``ds_all.pipe`` are ds-comm, ds-zero, ds-ops and ds-pipe
+(DeepSpeed's ``deepspeed.comm``, ``deepspeed.zero``, ``deepspeed.ops``, ``deepspeed.pipe``); a
+``PipelineModule`` given to ``initialize`` makes a ``PipelineEngine``; ``ds_all.versions()`` gives every
+part's version.
 """
 
 import ds_comm as comm
 import ds_ops as ops
 import ds_zero as zero
+from ds_comm import init_distributed
 
-from . import checkpointing, hf, monitor
+from . import checkpointing, hf, monitor, pipe
 from ._engine import DeepSpeedEngine
 from ._initialize import add_config_arguments, initialize
 from ._optimizers import build_optimizer
 from ._parts import PARTS, versions
+from ._pipe_engine import PipelineEngine
 from ._scheduler_config import SchedulerConfig, build_scheduler
 from .config import Config
 from .lr_schedules import LRRangeTest, OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR
@@ -34,6 +38,7 @@ __all__ = [
     "DeepSpeedEngine",
     "LRRangeTest",
     "OneCycle",
+    "PipelineEngine",
     "SchedulerConfig",
     "WarmupCosineLR",
     "WarmupDecayLR",
@@ -45,9 +50,11 @@ __all__ = [
     "checkpointing",
     "comm",
     "hf",
+    "init_distributed",
     "initialize",
     "monitor",
     "ops",
+    "pipe",
     "versions",
     "zero",
 ]
