@@ -43,9 +43,14 @@ class DeferredLinearGrads:
         for linear, x, g in self._records.pop((micro_batch, chunk), []):
             if g is None:  # this output did not reach the loss
                 continue
-            g2 = g.reshape(-1, g.shape[-1])
-            _accumulate(linear.weight, torch.mm(g2.t(), x.reshape(-1, x.shape[-1])))
-            if linear.bias is not None:
+            g2, x2 = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
+            weight = linear.weight
+            if weight.requires_grad:
+                if weight.grad is None:
+                    weight.grad = torch.mm(g2.t(), x2).to(weight.dtype)
+                else:  # accumulated by the GEMM itself (beta = 1): no second pass over the gradient
+                    weight.grad.addmm_(g2.t(), x2)
+            if linear.bias is not None and linear.bias.requires_grad:
                 _accumulate(linear.bias, g2.sum(0))
 
     def pending(self) -> int:
@@ -58,8 +63,6 @@ class DeferredLinearGrads:
 
 
 def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
-    if not param.requires_grad:
-        return
     if param.grad is None:
         param.grad = grad.to(param.dtype)
     else:
