@@ -202,6 +202,11 @@ def bad_inputs(rank, world):
     out["shape change"] = error(lambda: executor.train_batch(iter(data)))
     out["after a failure"] = error(lambda: executor.train_batch(iter(batches(0, 0, 3))))
 
+    # the same with dynamic_shape=True trains (the new shapes travel with the message)
+    module = PipelineModule(layers("plain"), num_stages=2, loss_fn=token_loss, dynamic_shape=True)
+    executor = PipelineExecutor(module, torch.optim.SGD(module.parameters(), lr=0.1), micro_batches=3)
+    out["dynamic shape"] = float(executor.train_batch(iter(data)))
+
     # no loss_fn and a last stage that returns logits
     module = PipelineModule(layers("plain"), num_stages=2)
     executor = PipelineExecutor(module, torch.optim.SGD(module.parameters(), lr=0.1), micro_batches=2)
@@ -232,6 +237,7 @@ def test_bad_input_is_named_on_every_rank_and_nothing_hangs():
         assert out["after a failure"].startswith("RuntimeError: PipelineExecutor: an earlier batch failed")
         assert out["fresh"] > 0
     assert out["fresh"] == first["fresh"]
+    assert first["dynamic shape"] == last["dynamic shape"] > 0
     shape = ("the activation of micro-batch 1 sent to stage 1 (rank 1) is float32[4, 5, 16], but earlier "
              "micro-batches sent float32[3, 5, 16]; a stage must keep its output's shapes and dtypes")
     assert first["shape change"].startswith("ValueError: ds_pipe: " + shape), first["shape change"]

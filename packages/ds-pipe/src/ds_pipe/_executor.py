@@ -79,7 +79,7 @@ class PipelineExecutor:
         # the executor's own group (every rank creates it, in the same order): its messages and its
         # agreement never meet another executor's, even the leftovers of a failed batch
         self.group = ds_comm.new_group(list(range(ds_comm.get_world_size())))
-        self.channel = Channel(ds_comm.get_rank(), self._describe_rank, self.group)
+        self.channel = Channel(ds_comm.get_rank(), self._describe_rank, self.group, module.dynamic_shape)
         self._deferred = DeferredLinearGrads([module]) if schedule == "zero_bubble" else None
         self._broken: str | None = None
         self.global_steps = 0

@@ -117,14 +117,17 @@ class PipelineModule(nn.Module):
 
     ``partition_method``: ``"parameters"`` (balance trainable parameter counts), ``"uniform"``
     (balance layer counts), ``"type:<regex>"`` (balance the layers whose class name matches), or a list
-    of ``num_stages * virtual_stages + 1`` boundaries ``[0, ..., len(layers)]``.
+    of ``num_stages * virtual_stages + 1`` boundaries ``[0, ..., len(layers)]``. ``dynamic_shape``: the
+    activations between stages may change shape from one micro-batch to the next (their shapes then
+    travel with each message; otherwise a change is an error).
     """
 
     def __init__(self, layers: Sequence[Any], num_stages: int | None = None, topology=None,
                  loss_fn: Callable | None = None, seed_layers: bool = False, seed_fn: Callable | None = None,
                  base_seed: int = 1234, partition_method: str | Sequence[int] = "parameters",
                  activation_checkpoint_interval: int = 0, activation_checkpoint_func: Callable | None = None,
-                 checkpointable_layers: Sequence[str] | None = None, virtual_stages: int = 1):
+                 checkpointable_layers: Sequence[str] | None = None, dynamic_shape: bool = False,
+                 virtual_stages: int = 1):
         super().__init__()
         layers = list(layers)
         if not layers:
@@ -162,6 +165,7 @@ class PipelineModule(nn.Module):
         self.activation_checkpoint_interval = activation_checkpoint_interval
         self.activation_checkpoint_func = activation_checkpoint_func or _checkpoint
         self.checkpointable_layers = checkpointable_layers
+        self.dynamic_shape = bool(dynamic_shape)  # activations may change shape between micro-batches
         self._topology = topology
         self._grid = ds_comm.Grid(topology)
         self.stage_id = self._grid.get_stage_id()

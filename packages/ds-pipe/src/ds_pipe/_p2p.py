@@ -4,7 +4,8 @@ Every message from one rank to another travels on one tag, in the order the send
 them; the schedules are checked deadlock-free under blocking sends, which makes that order the order in
 which the receiver's schedule receives them. The header names the message (kind, micro-batch, the virtual stage it feeds),
 so a mismatch is an error, not silent garbage. Shapes and dtypes go once per (peer, kind, virtual stage) and
-are cached; a stage whose output changes shape later is an error on both sides. A failing rank sends
+are cached; a stage whose output changes shape later is an error on both sides. With ``dynamic_shape`` a
+change travels as new shapes instead. A failing rank sends
 an error header to its neighbours, so a rank waiting on it raises instead of hanging.
 
 Sends are non-blocking (``isend``): a stage goes on computing while its neighbour is busy. The tensors
@@ -64,8 +65,8 @@ def _decode_meta(values: list[int]) -> list[tuple]:
 class Channel:
     """This rank's messages to and from its pipeline neighbours (global ranks)."""
 
-    def __init__(self, rank: int, describe_rank, group=None):
-        self.rank, self.group = rank, group  # a group of the executor's own: a failed batch's leftovers stay there
+    def __init__(self, rank: int, describe_rank, group=None, dynamic_shape: bool = False):
+        self.rank, self.group, self.dynamic_shape = rank, group, dynamic_shape  # a group of the executor's own: a failed batch's leftovers stay there
         self._describe_rank = describe_rank  # global rank -> "stage 1 (rank 3)"
         self._sent_meta: dict[tuple, list[tuple]] = {}
         self._recv_meta: dict[tuple, list[tuple]] = {}
@@ -85,11 +86,12 @@ class Channel:
         meta = meta_of(tensors)
         key = (peer, kind, boundary)
         cached = self._sent_meta.get(key)
-        if cached is not None and [m[:2] for m in cached] != [m[:2] for m in meta]:
+        changed = cached is not None and [m[:2] for m in cached] != [m[:2] for m in meta]
+        if changed and not self.dynamic_shape:
             raise ValueError(f"ds_pipe: the {KIND_NAMES[kind]} of micro-batch {micro_batch} sent to "
                              f"{self._describe_rank(peer)} is {_describe(meta)}, but earlier micro-batches sent "
                              f"{_describe(cached)}; a stage must keep its output's shapes and dtypes across micro-batches")
-        payload = [] if cached is not None else [_encode_meta(meta)]
+        payload = [] if cached is not None and not changed else [_encode_meta(meta)]
         self._sent_meta[key] = meta
         header = torch.tensor([META if payload else OK, kind, micro_batch, boundary,
                                payload[0].numel() if payload else 0], dtype=torch.int64)
