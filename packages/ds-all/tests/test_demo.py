@@ -76,3 +76,17 @@ def test_the_readme_engine_example_runs_on_two_ranks_and_prints_what_it_says(tmp
     logs = [(tmp_path / "logs" / f"rank{r}.log").read_text() for r in range(2)]
     assert [log.splitlines().count(promised) for log in logs] == [1, 1], logs  # each rank
     assert len(re.findall(r"^\[ds_all\] step=[48], ", logs[0], re.M)) == 2, logs[0]  # steps_per_print 4, rank 0
+
+
+def test_the_pipeline_example_trains_two_stages_through_the_engine(tmp_path):
+    logs = tmp_path / "logs"
+    result = subprocess.run([sys.executable, "-m", "ds_launch", "--num_procs", "2", "--master_port", str(_free_port()),
+                             "--enable_each_rank_log", str(logs), str(EXAMPLES / "train_pipeline.py"), "--steps", "30"],
+                            capture_output=True, text=True, timeout=180, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    first, last = ((logs / f"rank{r}.log").read_text() for r in range(2))
+    assert "stage boundaries [0, 3, 6]" in first and "stage 0 | F0 F1 .  B0 F2 B1 F3 B2 .  B3" in first, first
+    # both stages report the same loss (the last stage's, shared by the engine) every 10 steps
+    per_stage = [re.findall(r"^stage \d step (\d+) loss ([0-9.]+)$", log, re.M) for log in (first, last)]
+    assert per_stage[0] == per_stage[1] and [s for s, _ in per_stage[0]] == ["10", "20", "30"], per_stage
+    assert re.search(r"^stage 0: loss fell: ", first, re.M) and re.search(r"^stage 1: loss fell: ", last, re.M)

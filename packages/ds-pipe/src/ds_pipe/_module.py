@@ -269,7 +269,7 @@ class PipelineModule(nn.Module):
         for key, stages in sorted(self._tied_keys().items()):
             if len(stages) < 2:
                 continue
-            for coord in _product([range(topo.get_dim(a)) for a in others]):
+            for coord in itertools.product(*(range(topo.get_dim(a)) for a in others)):
                 ranks = sorted(topo.get_rank(pipe=s, **dict(zip(others, coord, strict=False))) for s in stages)
                 group = ds_comm.new_group(ranks)
                 if ds_comm.get_rank() in ranks:
@@ -354,7 +354,3 @@ def _attr(module: nn.Module, dotted: str) -> torch.Tensor:
         module = getattr(module, name)
     return module
 
-
-def _product(ranges):
-    import itertools
-    return itertools.product(*ranges)
