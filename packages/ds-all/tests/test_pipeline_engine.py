@@ -106,6 +106,13 @@ def refusals(rank, world):
             out[name] = "no error"
         except ValueError as e:
             out[name] = str(e)
+    chunked = PipelineModule(layer_specs(), num_stages=2, loss_fn=F.mse_loss, virtual_stages=2)
+    try:  # the executor refuses after ZeRO is built: ZeRO lets go of the model again
+        ds_all.initialize(model=chunked, config=base)
+        out["chunks"] = "no error"
+    except ValueError as e:
+        out["chunks"] = str(e)
+    out["chunks left alone"] = all(p.grad is None for p in chunked.parameters())
     engine, *_ = ds_all.initialize(model=module, config=base)
     for call in ("forward", "backward", "step"):
         try:
@@ -125,6 +132,8 @@ def test_pipeline_engine_refuses_what_it_cannot_do():
         assert out["stage 3"].startswith("initialize: a PipelineModule trains with zero_optimization.stage 0, 1 or 2, "
                                          "got 3")
         assert out["stages"] == "initialize: pipeline.stages is 4 but the PipelineModule has 2 stages"
+        assert out["chunks"].startswith("PipelineExecutor: the module has virtual_stages=2"), out["chunks"]
+        assert out["chunks left alone"]
         assert out["forward"].startswith("PipelineEngine: the schedule runs the forward")
         assert out["step"].startswith("PipelineEngine: train_batch() steps the optimizer")
         assert out["no data"].startswith("engine.train_batch: no data for this stage")

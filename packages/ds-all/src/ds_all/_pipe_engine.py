@@ -44,10 +44,14 @@ class PipelineEngine(DeepSpeedEngine):
         if self.zero is None:
             raise ValueError("initialize: a PipelineModule needs an optimizer (pass optimizer= or give the config an "
                              "'optimizer' section)")
-        self.executor = PipelineExecutor(model, None, micro_batches=config.gradient_accumulation_steps,
-                                         schedule=config.pipeline.schedule, reduce_grads=self._reduce,
-                                         optimizer_step=self._optimizer_step, backward=self._backward,
-                                         reduce_bucket_size=int(config.zero_optimization.reduce_bucket_size))
+        try:
+            self.executor = PipelineExecutor(model, None, micro_batches=config.gradient_accumulation_steps,
+                                             schedule=config.pipeline.schedule, reduce_grads=self._reduce,
+                                             optimizer_step=self._optimizer_step, backward=self._backward,
+                                             reduce_bucket_size=int(config.zero_optimization.reduce_bucket_size))
+        except BaseException:  # nothing of ZeRO is left on the caller's model
+            self.zero.close()
+            raise
         self.data_iterator = _repeat(self.training_dataloader) if self.training_dataloader is not None else None
         self.micro_batches = config.gradient_accumulation_steps
         self.num_stages, self.stage_id = model.num_stages, model.stage_id
@@ -59,7 +63,7 @@ class PipelineEngine(DeepSpeedEngine):
 
     # -- the executor's hooks ---------------------------------------------------------------------
     def _backward(self, tensors: list[torch.Tensor], grads: list) -> None:
-        if grads == [None] and self.zero.loss_scale != 1.0:  # the last stage's loss: scaled (fp16)
+        if len(grads) == 1 and grads[0] is None and self.zero.loss_scale != 1.0:  # the last stage's loss (fp16)
             tensors = [tensors[0].float() * self.zero.loss_scale]
         self.timers(BACKWARD).start()
         try:
