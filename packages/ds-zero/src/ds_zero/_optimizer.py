@@ -29,6 +29,7 @@ parameters (`_precision`), others on float32 copies of the gradients. fp16 scale
 
 from __future__ import annotations
 
+import bisect
 import logging
 import math
 import time
@@ -107,13 +108,18 @@ class ZeroOptimizer(Reduction):
     ("fp32", "fp16", "bf16"; default: float32 for bf16, else the gradients' dtype). ``group``: the
     data-parallel process group (default: all ranks). ``aio``: the ``aio`` section (or the whole
     config) for ``offload_optimizer.device: nvme``.
+    ``param_groups``: the model's trainable parameters in groups with options of their own, as a
+    torch optimizer takes them (``[{"params": decay, "weight_decay": 0.1}, {"params": no_decay,
+    "weight_decay": 0.0}]``); ``optimizer`` is then called with the same groups over ZeRO's tensors
+    (each bucket's stepped range split where the group changes), and the groups' options override
+    ``optimizer_kwargs``.
     """
 
     def __init__(self, model: nn.Module, optimizer: type[torch.optim.Optimizer] | Callable = torch.optim.AdamW, *,
                  optimizer_kwargs: dict[str, Any] | None = None, config: Any = None, fp16: Any = None,
                  bf16: Any = None, gradient_clipping: float = 0.0, gradient_accumulation_steps: int = 1,
                  communication_data_type: Any = None, group: Any = None, aio: Any = None,
-                 reduce_in_backward: bool = True):
+                 reduce_in_backward: bool = True, param_groups: Any = None):
         if not isinstance(model, nn.Module):
             raise ValueError(f"ZeroOptimizer: model must be a torch.nn.Module, got {type(model).__name__}")
         if not callable(optimizer):
@@ -141,7 +147,10 @@ class ZeroOptimizer(Reduction):
             raise ValueError("ZeroOptimizer: reduce_in_backward=False is for stages 0-2 (a pipeline stage's optimizer); "
                              "stage 3 gathers and releases parameters in the backward's hooks")
         self.reduce_in_backward = bool(reduce_in_backward)
+        if isinstance(optimizer, type) and hasattr(optimizer, "wants_averaged_gradients"):
+            self._check_compressed(optimizer.__name__)  # before the model is touched
         params = trainable(model)
+        group_of, group_options = _option_groups(param_groups, model, params)
         for p in params:
             if hasattr(p, "_ds_stage3"):
                 raise ValueError(f"ZeroOptimizer: parameter {param_name(model, p)} is managed by another stage-3 "
@@ -159,6 +168,10 @@ class ZeroOptimizer(Reduction):
         self.stage = self.config.stage
         offload_device = self.config.offload_optimizer.device if self.config.offload_optimizer is not None else "none"
         self.offload = offload_device in ("cpu", "nvme")  # the optimizer steps on the CPU (ds_ops' Adam)
+        if offload_device == "nvme" and group_options is not None and len(group_options) > 1:
+            raise NotImplementedError("ZeroOptimizer: offload_optimizer.device 'nvme' steps one set of Adam options "
+                                      f"in ds-zero {version()}; got {len(group_options)} parameter groups: use one "
+                                      "group, or offload to 'cpu'")
         self._nvme = None  # NvmeOptimizer: Adam's states (and the master copy) on NVMe
         self.gradient_clipping = float(gradient_clipping)
         self.gradient_accumulation_steps = gradient_accumulation_steps
@@ -215,26 +228,49 @@ class ZeroOptimizer(Reduction):
         if self.stage == 3:
             self._stage3 = Stage3(model, params, layout, [name for name, _ in units], hooked, self._flat,
                                   self._shard_starts, self.config, group, self._shard_modified)
-        if self.stage < 2:
-            self._grads = torch.zeros(layout.numel, dtype=self.dtype)
-            for p, slot in zip(params, layout.slots, strict=True):
-                p.grad = self._grads[slot.offset:slot.offset + slot.numel].view(p.shape)
-            self._step_grads = [self._grads[start:start + length] for start, length in self._owned]
-        else:
-            self._partition = torch.zeros(layout.shard_numel, dtype=self.dtype)
-            self._step_grads = [self._partition[at:at + b.shard] for b, at in zip(layout.buckets, self._shard_starts,
-                                                                                  strict=True)]
-        self._make_reduction_buffers()
-        self._pieces = layout.pieces(self.rank)  # for the gradient norm at stages 1-2
+        # the optimizer steps one tensor per run: a bucket's stepped range, split where the option group
+        # changes (one run per bucket without param_groups); (bucket, offset in the range, length, group)
+        self._runs = _step_runs(layout, self.stage, self.rank, group_of)
+        self._run_starts = [[] for _ in layout.buckets]  # per bucket: (offset, run index), ascending
+        for i, (b, at, _, _) in enumerate(self._runs):
+            self._run_starts[b].append((at, i))
         # where each bucket's stepped part lives in the master copy (the flat buffer itself in float32)
         if self._master is None or self.stage == 0:
             in_master = self._owned
         else:
             in_master = [(at, b.shard) for b, at in zip(layout.buckets, self._shard_starts, strict=True)]
+        if self.stage < 2:
+            self._grads = torch.zeros(layout.numel, dtype=self.dtype)
+            for p, slot in zip(params, layout.slots, strict=True):
+                p.grad = self._grads[slot.offset:slot.offset + slot.numel].view(p.shape)
+            self._shard_grads = [self._grads[start:start + length] for start, length in self._owned]
+        else:
+            self._partition = torch.zeros(layout.shard_numel, dtype=self.dtype)
+            self._shard_grads = [self._partition[at:at + b.shard] for b, at in zip(layout.buckets, self._shard_starts,
+                                                                                   strict=True)]
+        # per bucket above (what its reduction writes), per run below (what the optimizer steps)
+        self._step_grads = [self._shard_grads[b][at:at + n] for b, at, n, _ in self._runs]
+        in_master = [(in_master[b][0] + at, n) for b, at, n, _ in self._runs]
+        self._owned = [(self._owned[b][0] + at, n) for b, at, n, _ in self._runs]
+        self._make_reduction_buffers()
+        self._pieces = layout.pieces(self.rank)  # for the gradient norm at stages 1-2
         master = self._flat if self._master is None else self._master
         self._step_params = [nn.Parameter(master[at:at + n], requires_grad=True) for at, n in in_master]
-        self.optimizer = optimizer(self._step_params, **(optimizer_kwargs or {}))
+        if group_options is None:
+            self.optimizer = optimizer(self._step_params, **(optimizer_kwargs or {}))
+        else:  # every group kept (empty where this rank steps none of it): the same groups on every rank
+            self.optimizer = optimizer([{**options, "params": [t for t, run in zip(self._step_params, self._runs,
+                                                                                   strict=True) if run[3] == g]}
+                                        for g, options in enumerate(group_options)], **(optimizer_kwargs or {}))
         self._check_optimizer()
+        # a 1-bit optimizer (ds_zero.onebit) averages what it needs itself: ZeRO reduces only on the steps it
+        # asks for (DeepSpeed's enable_backward_allreduce) and leaves the gradients local otherwise
+        self._compressed = callable(getattr(self.optimizer, "wants_averaged_gradients", None))
+        if self._compressed:
+            self._check_compressed(type(self.optimizer).__name__)
+            self.optimizer.bind(group, caller_reduces=True)
+            self._mask_padding()
+        self._average_now = not self._compressed or self.optimizer.wants_averaged_gradients()
         if offload_device == "nvme":
             nvme = self.config.offload_optimizer
             self._nvme = NvmeOptimizer(layout.shard_numel, sub_group_size=self.config.sub_group_size,
@@ -341,6 +377,7 @@ class ZeroOptimizer(Reduction):
             for tensor, grad in zip(self._step_params, self._step_grads, strict=True):
                 tensor.grad.copy_(grad).mul_(multiplier)  # widened first, then scaled in float32
             self.optimizer.step()
+            self._next_reduction()
             for copy, tensor in zip(self._copies, self._step_params, strict=True):
                 copy.copy_(tensor.detach())
         else:
@@ -348,6 +385,7 @@ class ZeroOptimizer(Reduction):
                 coefficient = (self.gradient_clipping / (norm + 1e-6)).clamp(max=1.0)
                 torch._foreach_mul_([t.grad for t in self._step_params], coefficient)
             self.optimizer.step()
+            self._next_reduction()
         self._refresh_parameters()
         return True
 
@@ -411,6 +449,7 @@ class ZeroOptimizer(Reduction):
         self.optimizer.state.clear()
         self._grads = self._partition = self._master = self._master_grads = None
         self._bucket_buffers, self._received, self._step_grads, self._copies = [], [], [], None
+        self._shard_grads = []
         self._closed = True
 
     def full_state_dict(self, *, rank0_only: bool = True) -> dict[str, torch.Tensor]:
@@ -490,6 +529,7 @@ class ZeroOptimizer(Reduction):
                 raise ValueError(f"ZeroOptimizer.load_state_dict: saved with {key}={short(saved)}, this optimizer "
                                  f"has {key}={short(value)}")
         self.optimizer.load_state_dict(state["optimizer"])
+        self._next_reduction()
         if self.stage == 3:
             self._flat.copy_(state["partition"])
         self._micro_step = int(state["micro_step"])
@@ -528,6 +568,43 @@ class ZeroOptimizer(Reduction):
         if config.reduce_bucket_size == "auto":
             raise ValueError('zero_optimization.reduce_bucket_size is "auto": resolve it to a number of '
                              "elements first (the engine does this from the model)")
+
+    def _step_position(self, bucket: int, offset: int) -> tuple[int, int]:
+        """(index of the stepped tensor, offset in it) of element ``offset`` of ``bucket``'s stepped range."""
+        starts = self._run_starts[bucket]
+        i = bisect.bisect_right(starts, (offset, len(self._runs))) - 1
+        return starts[i][1], offset - starts[i][0]
+
+    def _check_compressed(self, name: str) -> None:
+        """A 1-bit optimizer runs at stage 0 in fp32 or bf16, reducing in its own backward hooks."""
+        if self.config.stage != 0:
+            raise ValueError(f"zero_optimization.stage is {self.config.stage}: {name} compresses the data-parallel "
+                             "communication itself and runs with stage 0 only (as DeepSpeed's 1-bit optimizers); "
+                             "set zero_optimization.stage to 0")
+        if self.precision == "fp16":
+            raise NotImplementedError(f"fp16 with {name} is not implemented in ds-zero {version()}: its loss-scale "
+                                      "check would read gradients that differ between ranks after warm-up; use bf16 "
+                                      "or fp32")
+        if not self.reduce_in_backward:
+            raise ValueError(f"{name} decides per step whether gradients are averaged; it cannot be stepped by a "
+                             "caller that reduces by hand (reduce_in_backward=False, a pipeline stage)")
+
+    def _mask_padding(self) -> None:
+        """The buckets' padding stays zero under a 1-bit optimizer (compressed, it would not): each
+        optimizer group's flat tensor (its runs, in order) gets a mask of the parameters' positions."""
+        used = torch.zeros(self.layout.numel, dtype=torch.bool)
+        for slot in self.layout.slots:
+            used[slot.offset:slot.offset + slot.numel] = True
+        where = {id(t): at for t, (at, _) in zip(self._step_params, self._owned, strict=True)}
+        for index, group in enumerate(self.optimizer.param_groups):
+            if group["params"]:
+                self.optimizer.set_mask(index, torch.cat([used[where[id(t)]:where[id(t)] + t.numel()]
+                                                          for t in group["params"]]))
+
+    def _next_reduction(self) -> None:
+        """Whether the next accumulation's gradients are averaged (a 1-bit optimizer decides)."""
+        if self._compressed:
+            self._average_now = self.optimizer.wants_averaged_gradients()
 
     def _check_optimizer(self) -> None:
         why = needs_whole_tensors(self.optimizer)
@@ -595,3 +672,61 @@ class ZeroOptimizer(Reduction):
                  for b in self.layout.buckets]
         for work in works:
             work.wait()
+
+
+def _option_groups(param_groups: Any, model: nn.Module, params: list[nn.Parameter]
+                   ) -> tuple[list[int], list[dict[str, Any]] | None]:
+    """Each trainable parameter's group index and the groups' options (None: no groups given)."""
+    if param_groups is None:
+        return [0] * len(params), None
+    if isinstance(param_groups, dict) or not isinstance(param_groups, (list, tuple)) or \
+            not all(isinstance(g, dict) and "params" in g for g in param_groups):
+        raise ValueError("ZeroOptimizer: param_groups must be a list of dicts with 'params' (a torch optimizer's "
+                         f"parameter groups), got {short(param_groups)}")
+    where = {id(p): i for i, p in enumerate(params)}
+    group_of: list[int | None] = [None] * len(params)
+    options = []
+    for g, group in enumerate(param_groups):
+        members = [group["params"]] if torch.is_tensor(group["params"]) else list(group["params"])
+        for p in members:
+            i = where.get(id(p))
+            if i is None:
+                raise ValueError(f"ZeroOptimizer: param_groups[{g}] holds a tensor of shape {tuple(p.shape)} that is "
+                                 "not a trainable parameter of the model (ZeRO optimizes exactly the parameters "
+                                 "with requires_grad=True)")
+            if group_of[i] is not None:
+                raise ValueError(f"ZeroOptimizer: parameter {param_name(model, p)} is in param_groups[{group_of[i]}] "
+                                 f"and param_groups[{g}]; each parameter belongs to one group")
+            group_of[i] = g
+        options.append({k: v for k, v in group.items() if k != "params"})
+    missing = [param_name(model, p) for p, g in zip(params, group_of, strict=True) if g is None]
+    if missing:
+        raise ValueError(f"ZeroOptimizer: param_groups leave out {len(missing)} trainable parameters "
+                         f"({', '.join(missing[:5])}); put every parameter with requires_grad=True in a group, or "
+                         "freeze it with requires_grad_(False)")
+    return group_of, options  # type: ignore[return-value]
+
+
+def _step_runs(layout: FlatLayout, stage: int, rank: int, group_of: list[int]) -> list[tuple[int, int, int, int]]:
+    """The tensors the optimizer steps: each bucket's range this rank steps (the whole bucket at stage 0,
+    the rank's shard above), split where the parameters' group changes; (bucket, offset in the range,
+    length, group). Padding belongs to the run before it (a range of padding only, to the bucket's last
+    parameter's group)."""
+    runs = []
+    for bucket in layout.buckets:
+        start = bucket.offset if stage == 0 else bucket.offset + rank * bucket.shard
+        length = bucket.padded if stage == 0 else bucket.shard
+        cuts: list[list[int]] = []  # [offset, group]
+        for index in bucket.slots:
+            slot = layout.slots[index]
+            if slot.offset < start + length and slot.offset + slot.numel > start:
+                group = group_of[index]
+                if not cuts:
+                    cuts.append([0, group])
+                elif group != cuts[-1][1]:
+                    cuts.append([slot.offset - start, group])
+        if not cuts:
+            cuts = [[0, group_of[bucket.slots[-1]]]]
+        ends = [at for at, _ in cuts[1:]] + [length]
+        runs += [(bucket.index, at, end - at, group) for (at, group), end in zip(cuts, ends, strict=True)]
+    return runs

@@ -76,7 +76,7 @@ class Reduction:
             self._boundary_reduced = True
 
     def _reduces_now(self) -> bool:
-        return self.stage >= 2 or self.is_gradient_accumulation_boundary
+        return (self.stage >= 2 or self.is_gradient_accumulation_boundary) and self._average_now
 
     def _reduce(self, b: int) -> None:
         """Start bucket ``b``'s reduction: gradients × 1/world_size (DDP's arithmetic), summed by an
@@ -87,7 +87,7 @@ class Reduction:
         self._reduced[b] = True
         bucket = self.layout.buckets[b]
         scale = 1.0 / self.world_size
-        mine = self._step_grads[b]  # this rank's reduced gradients of the bucket end up here
+        mine = self._shard_grads[b]  # this rank's reduced gradients of the bucket end up here
         if self.stage < 2:
             grads = self._grads[bucket.offset:bucket.offset + bucket.padded]
             if not self._bucket_buffers:
@@ -139,7 +139,7 @@ class Reduction:
         return which, self._bucket_buffers[which][:length]
 
     def _wait_reductions(self) -> None:
-        if not self._boundary_reduced:  # a backward in which no hook ran (no parameter got a gradient)
+        if not self._boundary_reduced and self._average_now:  # a backward in which no hook ran
             self._reduce_leftovers()
         self._boundary_reduced = False
         for pending in self._work:
@@ -163,7 +163,7 @@ class Reduction:
             return torch.linalg.vector_norm(torch.stack(norms))
         squares = torch.zeros(len(self._params), dtype=torch.float32)
         for piece in self._pieces:
-            shard = self._step_grads[piece.bucket]
+            shard = self._shard_grads[piece.bucket]
             part = shard[piece.partition_offset - self._shard_starts[piece.bucket]:][:piece.numel]
             if part.dtype == torch.float32:
                 squares[piece.index] += torch.dot(part, part)
