@@ -15,6 +15,7 @@ from metadata every rank computes alone, with no collective.
 
 from __future__ import annotations
 
+import logging
 import warnings
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -35,6 +36,8 @@ with warnings.catch_warnings():
         ShardedTensorMetadata,
         TensorProperties,
     )
+
+logger = logging.getLogger(__name__)
 
 FORMAT = 1  # bumped when the layout of keys changes
 
@@ -159,7 +162,8 @@ def _piece_entries(zero: ZeroOptimizer, sized: list[str]) -> dict[str, ShardedTe
     dtypes = {key: zero.optimizer.state[zero._step_params[0]][key].dtype for key in sized}
     views: dict[int, tuple[Any, int, torch.Tensor, dict[str, torch.Tensor]]] = {}
     for piece, in_master, in_step in _my_pieces(zero):
-        state = zero.optimizer.state[zero._step_params[piece.bucket]]
+        run, in_step = zero._step_position(piece.bucket, in_step)
+        state = zero.optimizer.state[zero._step_params[run]]
         views[piece.index] = (piece.param_offset, piece.numel, master[in_master:in_master + piece.numel],
                               {key: state[key][in_step:in_step + piece.numel] for key in sized})
     out = {}
@@ -172,15 +176,20 @@ def _piece_entries(zero: ZeroOptimizer, sized: list[str]) -> dict[str, ShardedTe
     return out
 
 
-def _other_entries(zero: ZeroOptimizer) -> dict[str, torch.Tensor]:
+def _other_entries(zero: ZeroOptimizer, exclude_frozen: bool = False) -> dict[str, torch.Tensor]:
     """The module's tensors ZeRO does not hold (buffers, frozen parameters), replicated."""
     trainable = {id(p) for p in zero._params}
-    return {f"module/{name}": tensor.detach() for name, tensor in [*zero.model.named_parameters(),
-                                                                   *zero.model.named_buffers()]
+    frozen = [] if exclude_frozen else list(zero.model.named_parameters())
+    return {f"module/{name}": tensor.detach() for name, tensor in [*frozen, *zero.model.named_buffers()]
             if id(tensor) not in trainable}
 
 
-def zero_state(zero: ZeroOptimizer) -> dict[str, Any]:
+def _frozen_names(zero: ZeroOptimizer) -> list[str]:
+    trainable = {id(p) for p in zero._params}
+    return [name for name, p in zero.model.named_parameters() if id(p) not in trainable]
+
+
+def zero_state(zero: ZeroOptimizer, exclude_frozen_parameters: bool = False) -> dict[str, Any]:
     """This rank's part of the checkpoint as a DCP state dict (see the module docstring)."""
     zero._refuse_with_nvme("save_zero_checkpoint")
     sized, scalars = _tensor_states(zero)
@@ -189,45 +198,90 @@ def zero_state(zero: ZeroOptimizer) -> dict[str, Any]:
     for key in scalars:
         value = first[key]
         out[f"optim_scalar/{key}"] = value.detach().clone() if torch.is_tensor(value) else torch.tensor(value)
-    out.update(_other_entries(zero))
+    out.update(_other_entries(zero, exclude_frozen_parameters))
+    if hasattr(zero.optimizer, "rank_state"):  # a 1-bit optimizer's error feedback: this rank's own
+        out.update({f"rank_state/{zero.rank}/{key}": t for key, t in zero.optimizer.rank_state().items()})
     return out
 
 
-def zero_metadata(zero: ZeroOptimizer) -> dict[str, Any]:
+def zero_metadata(zero: ZeroOptimizer, exclude_frozen_parameters: bool = False) -> dict[str, Any]:
     """The plain-data part: what loading needs to check and restore besides tensors."""
     groups = [{k: v for k, v in g.items() if k != "params"} for g in zero.optimizer.param_groups]
     return {"format": FORMAT, "zero_stage": zero.stage, "world_size": zero.world_size, "precision": zero.precision,
             "optimizer": type(zero.optimizer).__name__, "param_groups": groups,
             "names": _names(zero), "shapes": [list(s.shape) for s in zero.layout.slots],
+            "excluded_frozen": _frozen_names(zero) if exclude_frozen_parameters else [],
             "micro_step": zero._micro_step, "skipped_steps": zero.skipped_steps,
             "loss_scaler": zero.scaler.state_dict() if zero.scaler is not None else None}
 
 
-def check_compatible(zero: ZeroOptimizer, meta: dict[str, Any], where: str) -> None:
+def _listing(kind: str, names: list[str]) -> list[str]:
+    more = f" and {len(names) - 5} more" if len(names) > 5 else ""
+    return [f"{kind}: {', '.join(names[:5])}{more}"] if names else []
+
+
+def check_compatible(zero: ZeroOptimizer, meta: dict[str, Any], where: str, strict: bool = True) -> None:
     """The model of ``meta`` (a saved `zero_metadata`) must be ``zero``'s: same parameter names and
-    shapes; any world size and stage are fine."""
+    shapes (``strict=False``: parameters on one side only are allowed; shapes must still agree); any
+    world size and stage are fine."""
     if meta.get("format") != FORMAT:
         raise ValueError(f"{where}: checkpoint format {meta.get('format')!r}, this ds-zero reads {FORMAT}")
     names, shapes = _names(zero), [list(s.shape) for s in zero.layout.slots]
     saved = dict(zip(meta["names"], meta["shapes"], strict=True))
-    missing = [n for n in names if n not in saved]
-    extra = [n for n in saved if n not in names]
+    missing = [n for n in names if n not in saved] if strict else []
+    extra = [n for n in saved if n not in names] if strict else []
     wrong = [f"{n}: saved {saved[n]}, model {s}" for n, s in zip(names, shapes, strict=True)
              if n in saved and saved[n] != s]
     if missing or extra or wrong:
-        parts = ([f"missing from the checkpoint: {', '.join(missing[:5])}"] if missing else []) + \
-                ([f"not in the model: {', '.join(extra[:5])}"] if extra else []) + \
-                ([f"other shapes: {'; '.join(wrong[:5])}"] if wrong else [])
-        raise ValueError(f"{where}: the checkpoint is of another model ({' | '.join(parts)})")
+        parts = _listing("missing from the checkpoint", missing) + _listing("not in the model", extra) + \
+            _listing("other shapes", wrong)
+        raise ValueError(f"{where}: the checkpoint is of another model ({' | '.join(parts)})"
+                         + (" (load_module_strict=False loads the parameters both have)" if missing or extra else ""))
+
+
+def _module_entries(zero: ZeroOptimizer, meta: dict[str, Any], saved: dict[str, Any], where: str,
+                    strict: bool) -> dict[str, torch.Tensor]:
+    """The buffers and frozen parameters to read: all of them (frozen ones saved with
+    ``exclude_frozen_parameters`` keep the model's values); a tensor on one side only is an error when
+    ``strict``, skipped otherwise; a shape that differs always is."""
+    mine = _other_entries(zero)
+    excluded = {f"module/{name}" for name in meta.get("excluded_frozen", [])}
+    saved_module = {k for k in saved if k.startswith("module/")}
+    missing = sorted(k[7:] for k in mine if k not in saved and k not in excluded) if strict else []
+    extra = sorted(k[7:] for k in saved_module if k not in mine) if strict else []
+    wrong = [f"{k[7:]}: saved {list(saved[k].size)}, model {list(t.shape)}" for k, t in mine.items()
+             if k in saved and tuple(saved[k].size) != tuple(t.shape)]
+    if missing or extra or wrong:
+        parts = _listing("buffers or frozen parameters missing from the checkpoint", missing) + \
+            _listing("not in the model", extra) + _listing("other shapes", wrong)
+        raise ValueError(f"{where}: the checkpoint is of another model ({' | '.join(parts)})"
+                         + (" (load_module_strict=False loads the tensors both have)" if missing or extra else ""))
+    return {k: t for k, t in mine.items() if k in saved}
+
+
+def _rank_state_wanted(zero: ZeroOptimizer, meta: dict[str, Any], saved_keys: set[str]) -> dict[str, Any] | None:
+    """A 1-bit optimizer's error feedback to read for this rank: what the same rank saved, on the same
+    world size; None (it restarts at zero, as DeepSpeed's always does) otherwise."""
+    if not hasattr(zero.optimizer, "rank_state_template"):
+        return None
+    if meta["world_size"] != zero.world_size:
+        logger.warning("ZeroOptimizer.load: the checkpoint is of %d ranks, this run has %d: %s's error feedback "
+                       "restarts at zero", meta["world_size"], zero.world_size, type(zero.optimizer).__name__)
+        return None
+    prefix = f"rank_state/{zero.rank}/"
+    return {key: t for key, t in zero.optimizer.rank_state_template().items() if prefix + key in saved_keys}
 
 
 def load_zero_state(zero: ZeroOptimizer, checkpoint_id: Any, meta: dict[str, Any], *, load_optimizer: bool = True,
-                    extra: dict[str, Any] | None = None) -> None:
+                    extra: dict[str, Any] | None = None, strict: bool = True) -> None:
     """Load a checkpoint written by `zero_state` from any world size and stage into ``zero``, in place
-    (every rank calls it; DCP reads only the ranges this rank holds)."""
+    (every rank calls it; DCP reads only the ranges this rank holds). ``strict=False``: parameters,
+    buffers and frozen parameters on one side only are skipped (the model keeps its own values, and a
+    parameter the checkpoint lacks starts with fresh optimizer states)."""
     zero._refuse_with_nvme("load_zero_checkpoint")
-    check_compatible(zero, meta, "ZeroOptimizer.load")
-    saved_keys = set(SafeReader(checkpoint_id).read_metadata().state_dict_metadata)
+    check_compatible(zero, meta, "ZeroOptimizer.load", strict)
+    saved_metadata = SafeReader(checkpoint_id).read_metadata().state_dict_metadata
+    saved_keys = set(saved_metadata)
     sized = sorted({k.split("/")[1] for k in saved_keys if k.startswith("optim/")}) if load_optimizer else []
     scalars = sorted(k.split("/", 1)[1] for k in saved_keys if k.startswith("optim_scalar/")) if load_optimizer else []
     for tensor in zero._step_params:  # states the optimizer has not made yet (it has not stepped)
@@ -241,15 +295,18 @@ def load_zero_state(zero: ZeroOptimizer, checkpoint_id: Any, meta: dict[str, Any
         for index, name in enumerate(_names(zero)):
             slot = zero.layout.slots[index]
             wanted[f"master/{name}"] = master[slot.offset:slot.offset + slot.numel]
-            at = slot.offset - zero.layout.buckets[slot.bucket].offset
+            run, at = zero._step_position(slot.bucket, slot.offset - zero.layout.buckets[slot.bucket].offset)
             for key in sized:
-                state = zero.optimizer.state[zero._step_params[slot.bucket]]
+                state = zero.optimizer.state[zero._step_params[run]]
                 wanted[f"optim/{key}/{name}"] = state[key][at:at + slot.numel]
     else:
         wanted.update(_piece_entries(zero, sized))
+    wanted = {key: value for key, value in wanted.items() if key in saved_keys}  # strict: every one of them
     scalar_values = {key: torch.zeros(()) for key in scalars}
     wanted.update({f"optim_scalar/{key}": value for key, value in scalar_values.items()})
-    wanted.update({key: tensor for key, tensor in _other_entries(zero).items() if key in saved_keys})
+    wanted.update(_module_entries(zero, meta, saved_metadata, "ZeroOptimizer.load", strict))
+    rank_state = _rank_state_wanted(zero, meta, saved_keys) if load_optimizer else None
+    wanted.update({f"rank_state/{zero.rank}/{key}": t for key, t in (rank_state or {}).items()})
     wanted.update(extra or {})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
@@ -257,6 +314,8 @@ def load_zero_state(zero: ZeroOptimizer, checkpoint_id: Any, meta: dict[str, Any
     for key, value in scalar_values.items():
         for tensor in zero._step_params:
             zero.optimizer.state[tensor][key] = value.clone()
+    if load_optimizer and hasattr(zero.optimizer, "load_rank_state"):
+        zero.optimizer.load_rank_state(rank_state)
     if load_optimizer:
         for group, saved in zip(zero.optimizer.param_groups, meta["param_groups"], strict=False):
             group.update({k: (tuple(v) if isinstance(group.get(k), tuple) else v) for k, v in saved.items()})
@@ -264,6 +323,7 @@ def load_zero_state(zero: ZeroOptimizer, checkpoint_id: Any, meta: dict[str, Any
         zero.skipped_steps = int(meta["skipped_steps"])
         if zero.scaler is not None and meta.get("loss_scaler") is not None:
             zero.scaler.load_state_dict(meta["loss_scaler"])
+        zero._next_reduction()  # a 1-bit optimizer's loaded step decides whether the next gradients are averaged
     if zero._master is not None:
         for copy, tensor in zip(zero._copies, zero._step_params, strict=True):
             copy.copy_(tensor.detach())
@@ -273,13 +333,16 @@ def load_zero_state(zero: ZeroOptimizer, checkpoint_id: Any, meta: dict[str, Any
 META_FILE = "zero_meta.json"
 
 
-def save_zero_checkpoint(zero: ZeroOptimizer, path: Any, *, extra: dict[str, Any] | None = None) -> None:
+def save_zero_checkpoint(zero: ZeroOptimizer, path: Any, *, extra: dict[str, Any] | None = None,
+                         exclude_frozen_parameters: bool = False) -> None:
     """Write ``zero``'s sharded checkpoint into the directory ``path`` (every rank calls it): DCP's files
-    and rank 0's ``zero_meta.json``. ``extra``: more DCP entries of this rank (the engine's)."""
+    and rank 0's ``zero_meta.json``. ``extra``: more DCP entries of this rank (the engine's).
+    ``exclude_frozen_parameters``: leave out the parameters with ``requires_grad=False`` (a frozen
+    pretrained backbone); loading keeps the model's values for them."""
     import json
     import os
 
-    state = zero_state(zero)
+    state = zero_state(zero, exclude_frozen_parameters)
     if extra:
         clash = sorted(set(state) & set(extra))
         if clash:
@@ -291,7 +354,7 @@ def save_zero_checkpoint(zero: ZeroOptimizer, path: Any, *, extra: dict[str, Any
     if zero.rank == 0:
         target = os.path.join(path, META_FILE)
         with open(target + ".tmp", "w") as f:
-            json.dump(zero_metadata(zero), f)
+            json.dump(zero_metadata(zero, exclude_frozen_parameters), f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(target + ".tmp", target)
@@ -313,9 +376,10 @@ def read_zero_metadata(path: Any) -> dict[str, Any]:
 
 
 def load_zero_checkpoint(zero: ZeroOptimizer, path: Any, *, load_optimizer: bool = True,
-                         extra: dict[str, Any] | None = None) -> dict[str, Any]:
+                         extra: dict[str, Any] | None = None, strict: bool = True) -> dict[str, Any]:
     """Load a checkpoint directory written by `save_zero_checkpoint` on any world size and stage into
-    ``zero`` (every rank calls it); ``extra``: more DCP entries to read in place. Returns the metadata."""
+    ``zero`` (every rank calls it); ``extra``: more DCP entries to read in place; ``strict=False``:
+    tensors on one side only are skipped (`load_zero_state`). Returns the metadata."""
     meta = read_zero_metadata(path)
-    load_zero_state(zero, path, meta, load_optimizer=load_optimizer, extra=extra)
+    load_zero_state(zero, path, meta, load_optimizer=load_optimizer, extra=extra, strict=strict)
     return meta
