@@ -148,3 +148,72 @@ def test_bad_tags_and_missing_or_partial_checkpoints_are_named(tmp_path):
     assert "was never completed (its save was interrupted" in out["partial"]
     meta = json.loads((tmp_path / "ck" / "good" / "engine_meta.json").read_text())
     assert meta["world_size"] == 2 and meta["tag"] == "good"
+
+
+class _Backbone(nn.Module):
+    """A frozen "pretrained" layer and a trainable head (``grown`` adds a second head)."""
+
+    def __init__(self, head_seed: int, grown: bool = False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.backbone = nn.Linear(8, 16).requires_grad_(False)
+        torch.manual_seed(head_seed)
+        self.head = nn.Linear(16, 1)
+        self.extra = nn.Linear(16, 1) if grown else None
+
+    def forward(self, x):
+        h = torch.tanh(self.backbone(x))
+        return self.head(h) + (self.extra(h) if self.extra is not None else 0)
+
+
+def _state(module: nn.Module) -> dict[str, list]:
+    return {name: t.detach().clone().tolist() for name, t in module.state_dict().items()}
+
+
+def partial_saves_and_loads(rank, world_size, path):
+    from ds_zero import SafeReader
+
+    config = _config(2)
+    engine, *_ = ds_all.initialize(model=_Backbone(head_seed=1), config=config)
+    batches = iter([(torch.randn(2, 8), torch.randn(2, 1)) for _ in range(8)])
+    _train(engine, batches, 2)
+    saved = _state(engine.module)
+    engine.save_checkpoint(path, tag="no_frozen", exclude_frozen_parameters=True)
+    engine.save_checkpoint(path, tag="whole")
+    keys = {tag: sorted(k for k in SafeReader(os.path.join(path, tag)).read_metadata().state_dict_metadata
+                        if k.startswith(("module/", "master/"))) for tag in ("no_frozen", "whole")}
+    engine.destroy()
+    out = {"keys": keys}
+    # the frozen backbone comes from the model itself ("pretrained"), the head from the checkpoint
+    engine, *_ = ds_all.initialize(model=_Backbone(head_seed=2), config=config)
+    engine.load_checkpoint(path, tag="no_frozen")
+    out["no_frozen loads"] = _state(engine.module) == saved
+    engine.destroy()
+    # a grown model: strict refuses by name, load_module_strict=False loads what both have
+    grown = _Backbone(head_seed=3, grown=True)
+    fresh_extra = _state(grown.extra)
+    engine, *_ = ds_all.initialize(model=grown, config=config)
+    try:
+        engine.load_checkpoint(path, tag="whole")
+        out["strict"] = "NOT REFUSED"
+    except ValueError as e:
+        out["strict"] = str(e)
+    engine.load_checkpoint(path, tag="whole", load_module_strict=False)
+    loaded = _state(engine.module)
+    out["non-strict shared"] = all(loaded[k] == v for k, v in saved.items())
+    out["non-strict new kept"] = _state(engine.module.extra) == fresh_extra
+    _train(engine, iter([(torch.randn(2, 8), torch.randn(2, 1)) for _ in range(4)]), 4)  # and trains on
+    out["trains"] = engine.global_steps
+    engine.destroy()
+    return out
+
+
+def test_exclude_frozen_parameters_and_load_module_strict(tmp_path):
+    out = spawn(partial_saves_and_loads, world_size=2, args=(str(tmp_path / "ck"),))[0]
+    assert "module/backbone.weight" in out["keys"]["whole"]
+    assert not [k for k in out["keys"]["no_frozen"] if "backbone" in k]
+    assert out["no_frozen loads"]
+    assert "missing from the checkpoint: extra.weight, extra.bias" in out["strict"]
+    assert "load_module_strict=False" in out["strict"]
+    assert out["non-strict shared"] and out["non-strict new kept"]
+    assert out["trains"] == 4

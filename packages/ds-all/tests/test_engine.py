@@ -127,6 +127,55 @@ def test_a_client_optimizer_and_schedule_drive_zero(kind):
         assert name == "StepLR"
 
 
+def _groups(model: nn.Module) -> list[dict]:
+    """A client's groups: the first layer without weight decay and with a learning rate of its own."""
+    return [{"params": list(model[0].parameters()), "weight_decay": 0.0, "lr": 0.05},
+            {"params": [p for layer in list(model)[1:] for p in layer.parameters()], "weight_decay": 0.1}]
+
+
+def groups_drive_zero(rank, world_size, kind):
+    model, twin = _model(), _model()
+    reference = torch.optim.AdamW(_groups(twin), lr=1e-2)
+    ref_schedule = torch.optim.lr_scheduler.StepLR(reference, step_size=2, gamma=0.5)
+
+    def schedule(optimizer):
+        return torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+
+    config = {"train_batch_size": MICRO * world_size, "zero_optimization": {"stage": 2}}
+    if kind == "client optimizer":
+        client = torch.optim.AdamW(_groups(model), lr=1e-2)
+        engine, optimizer, _, _ = ds_all.initialize(model=model, optimizer=client, lr_scheduler=schedule, config=config)
+        assert optimizer.optimizer is client
+    else:  # the config's optimizer over the client's model_parameters groups, as DeepSpeed builds it
+        config["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}}
+        engine, *_ = ds_all.initialize(model=model, model_parameters=_groups(model), lr_scheduler=schedule,
+                                       config=config)
+    lrs = []
+    for step in range(STEPS):
+        x, y = _batch(step, 0, rank)
+        engine.backward(nn.functional.mse_loss(engine(x), y))
+        engine.step()
+        lrs.append(engine.get_lr())
+        reference.zero_grad()
+        for r in range(world_size):
+            xr, yr = _batch(step, 0, r)
+            (nn.functional.mse_loss(twin(xr), yr) / world_size).backward()
+        reference.step()
+        ref_schedule.step()
+    decay = [g["weight_decay"] for g in engine.optimizer.param_groups]
+    error = max((a - b).abs().max().item() for a, b in zip(model.parameters(), twin.parameters(), strict=True))
+    engine.destroy()
+    return lrs, decay, error
+
+
+@pytest.mark.parametrize("kind", ["client optimizer", "model_parameters"])
+def test_parameter_groups_keep_their_options_under_zero(kind):
+    for lrs, decay, error in spawn(groups_drive_zero, world_size=2, args=(kind,)):
+        assert lrs == [[0.05, 0.01], [0.025, 0.005], [0.025, 0.005], [0.0125, 0.0025], [0.0125, 0.0025]]
+        assert decay == [0.0, 0.1]
+        assert error < 1e-6
+
+
 def config_schedule_and_data(rank, world_size):
     data = torch.utils.data.TensorDataset(torch.arange(80, dtype=torch.float32).view(80, 1).repeat(1, IN),
                                           torch.arange(80, dtype=torch.float32).view(80, 1))
@@ -204,11 +253,6 @@ def refusals(rank, world_size):
                                                          optimizer=torch.optim.SGD(_model().parameters(), lr=1)))
     refused("foreign parameters", lambda: ds_all.initialize(model=_model(), config=_config(1, optimizer=None),
                                                             optimizer=torch.optim.SGD(_model().parameters(), lr=1)))
-    two = _model()
-    groups = [{"params": list(two[0].parameters()), "weight_decay": 0.0},
-              {"params": [p for m in list(two)[1:] for p in m.parameters()], "weight_decay": 0.1}]
-    refused("groups", lambda: ds_all.initialize(model=two, config=_config(1, optimizer=None),
-                                                optimizer=torch.optim.AdamW(groups, lr=1)), NotImplementedError)
     refused("auto", lambda: ds_all.initialize(model=_model(), config={**config, "gradient_clipping": "auto"}))
     refused("schedule without optimizer", lambda: ds_all.initialize(
         model=_model(), config=_config(1, optimizer=None, scheduler={"type": "WarmupLR", "params": {}})))
@@ -225,7 +269,6 @@ def test_bad_input_is_refused_by_name():
     assert "model must be a torch.nn.Module, got str" in messages["not a model"]
     assert "an optimizer was passed and the config has an 'optimizer' section" in messages["optimizer twice"]
     assert "hold 0 of the model's 6 trainable parameters and 6 others" in messages["foreign parameters"]
-    assert "2 groups with different options" in messages["groups"]
     assert "gradient_clipping" in messages["auto"] and "auto" in messages["auto"]
     assert "a learning-rate schedule needs an optimizer" in messages["schedule without optimizer"]
     assert "this engine has no optimizer" in messages["backward without optimizer"]

@@ -102,9 +102,6 @@ def _rng_states() -> dict[str, torch.Tensor]:
 def save_checkpoint(engine: DeepSpeedEngine, save_dir: Any, tag: str | None = None, client_state: dict | None = None,
                     save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
     zero = engine._require_optimizer("save_checkpoint")
-    if exclude_frozen_parameters:
-        raise NotImplementedError("save_checkpoint: exclude_frozen_parameters is not implemented; frozen "
-                                  "parameters are saved with the buffers")
     tag = _check_tag(tag if tag is not None else f"global_step{engine.global_steps}")
     plain, tensors = _split_client_state(client_state or {})
     _validate_tag_across_ranks(engine, tag)
@@ -116,7 +113,7 @@ def save_checkpoint(engine: DeepSpeedEngine, save_dir: Any, tag: str | None = No
         partial.mkdir()
     ds_comm.barrier()
     extra = {**_rng_states(), **{f"client/{k}": v for k, v in tensors.items()}}
-    save_zero_checkpoint(zero, partial, extra=extra)
+    save_zero_checkpoint(zero, partial, extra=extra, exclude_frozen_parameters=exclude_frozen_parameters)
     if engine.global_rank == 0:
         meta = {"format": FORMAT, "tag": tag, "world_size": engine.world_size, "dp_world_size": engine.dp_world_size,
                 "global_steps": engine.global_steps, "global_samples": engine.global_samples,
@@ -165,9 +162,6 @@ def load_checkpoint(engine: DeepSpeedEngine, load_dir: Any, tag: str | None = No
                     load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                     load_module_only: bool = False) -> tuple[str | None, dict | None]:
     zero = engine._require_optimizer("load_checkpoint")
-    if not load_module_strict:
-        raise NotImplementedError("load_checkpoint: load_module_strict=False is not implemented; the checkpoint's "
-                                  "parameters must be the model's")
     root = Path(load_dir)
     tag = _resolve_tag(root, tag)
     if tag is None:
@@ -194,7 +188,7 @@ def load_checkpoint(engine: DeepSpeedEngine, load_dir: Any, tag: str | None = No
     client_tensors = _client_tensors(path, meta["client_tensors"])
     extra.update({f"client/{k}": v for k, v in client_tensors.items()})
     optimizer_too = load_optimizer_states and not load_module_only
-    load_zero_checkpoint(zero, path, load_optimizer=optimizer_too, extra=extra)
+    load_zero_checkpoint(zero, path, load_optimizer=optimizer_too, extra=extra, strict=load_module_strict)
     if same_world:
         torch.set_rng_state(rng)
     if not load_module_only:

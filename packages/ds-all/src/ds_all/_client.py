@@ -1,6 +1,8 @@
 """A client's optimizer and ``model_parameters`` under ZeRO: ZeRO steps flat tensors of its own, so
-the client's optimizer is rebound to them (its hyperparameters and the object kept, as DeepSpeed's
-ZeRO rebinds the client optimizer's groups), and a schedule built on it keeps working."""
+the client's optimizer is rebound to them (its groups' options and the object kept, as DeepSpeed's
+ZeRO rebinds the client optimizer's groups), and a schedule built on it keeps working. Groups with
+options of their own (no weight decay for biases and norms, say) are handed to ZeRO, which splits
+its tensors where the group changes."""
 
 from __future__ import annotations
 
@@ -22,37 +24,46 @@ def _groups(model_parameters: Any) -> list[dict[str, Any]]:
                      f"groups (dicts with 'params'), got a list of {sorted({type(i).__name__ for i in items})}")
 
 
-def _check_groups(groups: list[dict[str, Any]], trainable: list[torch.Tensor], what: str) -> None:
+def _check_groups(groups: list[dict[str, Any]], trainable: list[torch.Tensor], what: str) -> list[dict[str, Any]] | None:
+    """The groups ZeRO is given: None for one group without options of its own (the optimizer's
+    defaults apply), else ``groups``."""
     given = {id(p) for group in groups for p in group["params"]}
     wanted = {id(p) for p in trainable}
     if given != wanted:
         raise ValueError(f"initialize: {what} hold {len(given & wanted)} of the model's {len(wanted)} trainable "
                          f"parameters and {len(given - wanted)} others; ZeRO optimizes exactly the trainable "
                          "parameters (requires_grad=True): freeze the others with requires_grad_(False)")
-    options = [{k: v for k, v in group.items() if k != "params"} for group in groups]
-    if any(option != options[0] for option in options[1:]):
-        raise NotImplementedError(f"initialize: {what} have {len(groups)} groups with different options "
-                                  f"({options}); ds-all steps one group over ZeRO's flat buffers in this version: "
-                                  "give every group the same options")
+    if len(groups) == 1 and set(groups[0]) == {"params"}:
+        return None
+    return groups
 
 
-def check_model_parameters(model_parameters: Any, trainable: list[torch.Tensor]) -> None:
-    """``model_parameters`` must be the model's trainable parameters, in groups of one set of options."""
-    _check_groups(_groups(model_parameters), trainable, "model_parameters")
+def model_parameter_groups(model_parameters: Any, trainable: list[torch.Tensor]) -> list[dict[str, Any]] | None:
+    """``model_parameters`` must be the model's trainable parameters; their groups, as ZeRO takes them
+    (None: one group without options)."""
+    return _check_groups(_groups(model_parameters), trainable, "model_parameters")
 
 
-def rebinder(optimizer: torch.optim.Optimizer, trainable: list[torch.Tensor]) -> Callable:
+def rebinder(optimizer: torch.optim.Optimizer, trainable: list[torch.Tensor]
+             ) -> tuple[Callable, list[dict[str, Any]] | None]:
     """A factory for `ds_zero.ZeroOptimizer` that rebinds ``optimizer`` (built by the client over the
-    model's parameters, not stepped yet) to ZeRO's tensors, keeping its options and the object."""
-    _check_groups(optimizer.param_groups, trainable, "the optimizer's parameter groups")
+    model's parameters, not stepped yet) to ZeRO's tensors, keeping its groups' options and the object;
+    and the groups to give ZeRO (None for one group)."""
     if optimizer.state:
         raise ValueError("initialize: the optimizer has state already (it was stepped); pass a fresh optimizer")
-    options = {k: v for k, v in optimizer.param_groups[0].items() if k != "params"}
+    groups = [dict(group) for group in optimizer.param_groups]
+    zero_groups = groups if len(groups) > 1 else None
+    _check_groups(groups, trainable, "the optimizer's parameter groups")
+    options = {k: v for k, v in groups[0].items() if k != "params"}
 
-    def rebind(tensors: list[torch.Tensor]) -> torch.optim.Optimizer:
+    def rebind(tensors: list[Any]) -> torch.optim.Optimizer:
         optimizer.param_groups.clear()
         optimizer.state.clear()
-        optimizer.add_param_group({**options, "params": list(tensors)})
+        if zero_groups is None:
+            optimizer.add_param_group({**options, "params": list(tensors)})
+        else:  # ZeRO's groups: the client's, in order, over its tensors, with the client's options
+            for group in tensors:
+                optimizer.add_param_group(group)
         return optimizer
 
-    return rebind
+    return rebind, zero_groups

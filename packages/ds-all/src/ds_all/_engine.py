@@ -24,6 +24,7 @@ from ds_zero import ZeroOptimizer
 
 from . import _checkpoint, _client, _data, checkpointing
 from ._optimizers import build_optimizer
+from ._progress import ProgressBar
 from ._scheduler_config import build_scheduler
 from ._timers import ALLREDUCE, BACKWARD, FORWARD, STEP, Timers
 from .config import Config
@@ -54,13 +55,13 @@ class DeepSpeedEngine(nn.Module):
         self.timers = Timers()
         self.zero: ZeroOptimizer | None = None
         self.optimizer: Any = None
-        factory = self._optimizer_factory(optimizer, model_parameters)
+        factory, groups = self._optimizer_factory(optimizer, model_parameters)
         if factory is not None:
             self.zero = self.optimizer = ZeroOptimizer(
                 model, factory, config=config.zero_optimization, fp16=config.fp16, bf16=config.bf16,
                 gradient_clipping=config.gradient_clipping,
                 communication_data_type=config.communication_data_type, group=self.data_parallel_group,
-                aio=config.aio, **self._zero_options())
+                aio=config.aio, param_groups=groups, **self._zero_options())
         try:  # what fails from here leaves no ZeRO hook on the caller's model
             self.lr_scheduler = self._scheduler(lr_scheduler)
             self.training_dataloader = self.deepspeed_io(training_data, collate_fn=collate_fn) \
@@ -69,6 +70,8 @@ class DeepSpeedEngine(nn.Module):
             if "activation_checkpointing" in config.model_fields_set:
                 checkpointing.configure(mpu, deepspeed_config=config.activation_checkpointing)
             self.monitor = Monitors(config, rank=self.global_rank)
+            self.progress = ProgressBar(enabled=self.global_rank == 0,
+                                        total=getattr(self.lr_scheduler, "total_num_steps", None))
         except BaseException:
             if self.zero is not None:
                 self.zero.close()
@@ -86,12 +89,15 @@ class DeepSpeedEngine(nn.Module):
         """How ZeRO reduces: in its backward hooks, one micro-step per ``backward``/``step`` pair."""
         return {"gradient_accumulation_steps": self.config.gradient_accumulation_steps}
 
-    def _optimizer_factory(self, optimizer: Any, model_parameters: Any) -> Callable | None:
-        """How ZeRO builds the optimizer over its flat tensors: the client's optimizer rebound to
-        them, a client callable, or the config's ``optimizer`` section; None when there is none."""
+    def _optimizer_factory(self, optimizer: Any, model_parameters: Any) -> tuple[Callable | None, Any]:
+        """How ZeRO builds the optimizer over its flat tensors (the client's optimizer rebound to them, a
+        client callable, or the config's ``optimizer`` section; None when there is none), and the
+        parameter groups with options of their own ZeRO is given (None: one group). The factory is
+        called with the groups over ZeRO's tensors when there are groups, else with the tensors."""
         trainable = [p for p in self.module.parameters() if p.requires_grad]
+        groups = None
         if model_parameters is not None:
-            _client.check_model_parameters(model_parameters, trainable)
+            groups = _client.model_parameter_groups(model_parameters, trainable)
         if isinstance(optimizer, torch.optim.Optimizer):
             if self.config.optimizer is not None:
                 raise ValueError("initialize: an optimizer was passed and the config has an 'optimizer' section; "
@@ -101,13 +107,13 @@ class DeepSpeedEngine(nn.Module):
             if not callable(optimizer):
                 raise ValueError(f"initialize: optimizer must be a torch.optim.Optimizer or a callable taking the "
                                  f"parameters, got {type(optimizer).__name__}")
-            return optimizer
+            return optimizer, groups
         if self.config.optimizer is None:
-            return None
+            return None, None
         offload = self.config.zero_optimization.offload_optimizer is not None and \
             self.config.zero_optimization.offload_optimizer.device == "cpu"
         section = self.config.optimizer
-        return lambda tensors: build_optimizer(section, tensors, offload=offload)
+        return (lambda params: build_optimizer(section, params, offload=offload)), groups
 
     def _scheduler(self, lr_scheduler: Any) -> Any:
         if lr_scheduler is not None and self.config.scheduler.type is not None:
@@ -210,8 +216,10 @@ class DeepSpeedEngine(nn.Module):
                 rate = self._interval_steps * self.train_batch_size() / elapsed
                 events.append(("Train/Samples/samples_per_sec", rate, self.global_samples))
             self.monitor.write_events(events)
+        self.progress.update(self.global_steps, loss, self.get_lr())
         if self.global_steps % self.config.steps_per_print == 0:
-            self._print_progress(loss)
+            with self.progress.writing():
+                self._print_progress(loss)
 
     def _print_progress(self, loss: float | None) -> None:
         elapsed = time.perf_counter() - self._interval_start
@@ -363,6 +371,7 @@ class DeepSpeedEngine(nn.Module):
             self.flops_profiler.end_profile()
             self.flops_profiler = None
         self.monitor.close()
+        self.progress.close()
         if self._owns_process_group and ds_comm.is_initialized():
             ds_comm.destroy_process_group()
         self._owns_process_group = False
