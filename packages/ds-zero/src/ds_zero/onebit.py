@@ -1,0 +1,474 @@
+"""Communication-efficient Adam: 1-bit Adam (Tang et al. 2021) and 0/1 Adam (Lu et al. 2022).
+
+Both start as Adam on gradients averaged in full precision, then stop sending full-precision data:
+
+* `OneBitAdam`: ``freeze_step`` warm-up steps of Adam (no bias correction, as the reference); then the
+  variance is frozen and each rank updates the momentum with its *local* gradient, and the momentum is
+  averaged by ds-comm's 1-bit compressed all-reduce with error feedback (`ds_comm.compressed_allreduce`:
+  ~1/32 of the bytes). The update is ``m / (sqrt(v) + eps) (+ weight_decay * p)``.
+* `ZeroOneAdam`: the variance is updated only on steps ``t`` with ``t % var_interval == 0`` (from the
+  gradient averaged in full precision); ``var_interval`` doubles every ``var_update_scaler`` such
+  steps, and no variance step comes after ``var_freeze_step``. On the other steps the gradient itself
+  is averaged by the 1-bit all-reduce. After ``var_freeze_step`` the ranks take *local steps* (nothing
+  sent): each applies its own update, their sum ``u`` growing; every ``local_step_interval`` steps they
+  go back to where they last agreed, average ``u`` (scaled by ``sqrt(v) + eps``) with the 1-bit
+  all-reduce, apply the average and set the momentum from it. ``local_step_interval`` doubles every
+  ``local_step_scaler`` steps, up to ``local_step_clipper``.
+
+Each parameter group is stepped as one flat tensor (its momentum, variance and error feedback are flat
+buffers; the per-parameter ``exp_avg``/``exp_avg_sq`` in ``state`` are views of them), so a step sends
+one compressed message per group, not one per parameter. Under `ds_zero.ZeroOptimizer` (stage 0) the
+parameters are ZeRO's flat buckets already and nothing is copied; ZeroOptimizer then reduces the
+gradients in full precision, overlapped with backward, exactly on the steps `wants_averaged_gradients`
+asks for (DeepSpeed's ``enable_backward_allreduce`` switch), and leaves them local otherwise. Used
+alone, the optimizer averages the gradients itself when it needs them averaged:
+
+    optimizer = ds_zero.OneBitAdam(model.parameters(), lr=1e-3, freeze_step=100)
+    loss.backward()          # local gradients: no DDP
+    optimizer.step()         # averages (warm-up) or compresses (after) over the process group
+
+The error-feedback buffers are each rank's own: `state_dict` holds them (and ds-zero's checkpoints save
+them per rank); loaded on another world size they restart at zero, as the reference always does.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+import ds_comm
+
+logger = logging.getLogger(__name__)
+
+# DeepSpeed's communication backends for these optimizers; ds-zero sends through ds-comm's process group
+# whatever the name says (the message is 1-bit either way), so every one is accepted.
+COMM_BACKENDS = ("nccl", "mpi", "hccl", "compressed", "gloo")
+
+
+def _positive_int(owner: str, name: str, value: Any, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{owner}: {name} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _adjacent(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """One 1-D tensor over ``tensors`` when they lie back to back in one storage (ZeRO's buckets), else None."""
+    first = tensors[0]
+    at = first.storage_offset()
+    for t in tensors:
+        if not t.is_contiguous() or t.dtype != first.dtype or t.untyped_storage().data_ptr() != \
+                first.untyped_storage().data_ptr() or t.storage_offset() != at:
+            return None
+        at += t.numel()
+    return torch.empty(0, dtype=first.dtype, device=first.device).set_(
+        first.untyped_storage(), first.storage_offset(), (at - first.storage_offset(),))
+
+
+class _Flat:
+    """A group's parameters as one flat tensor: their flat storage when adjacent, else copies in and out."""
+
+    def __init__(self, params: list[torch.Tensor]):
+        self.params = params
+        self.numel = sum(p.numel() for p in params)
+        self.view = _adjacent([p.detach() for p in params])
+        self._grad_buffer: torch.Tensor | None = None
+
+    def grads(self) -> torch.Tensor:
+        """The gradients, flat (a view when they are adjacent; missing ones count as zero)."""
+        grads = [p.grad for p in self.params]
+        if all(g is not None for g in grads):
+            flat = _adjacent(grads)
+            if flat is not None:
+                return flat
+        if self._grad_buffer is None:
+            self._grad_buffer = torch.empty(self.numel, dtype=torch.float32, device=self.params[0].device)
+        at = 0
+        for p, g in zip(self.params, grads, strict=True):
+            part = self._grad_buffer[at:at + p.numel()]
+            part.copy_(g.reshape(-1)) if g is not None else part.zero_()
+            at += p.numel()
+        return self._grad_buffer
+
+    def params_flat(self) -> torch.Tensor:
+        if self.view is not None:
+            return self.view
+        return torch.cat([p.detach().reshape(-1).float() for p in self.params])
+
+    def write_back(self, flat: torch.Tensor) -> None:
+        if self.view is not None:
+            return  # stepped in place
+        at = 0
+        for p in self.params:
+            p.detach().copy_(flat[at:at + p.numel()].view_as(p))
+            at += p.numel()
+
+
+class _CompressedAdam(torch.optim.Optimizer):
+    """What 1-bit Adam and 0/1 Adam share: flat state per group, the process group, the switch between
+    full-precision and compressed communication, and the error-feedback buffers."""
+
+    NAME = "1-bit optimizer"
+    FLAT_STATES: tuple[str, ...] = ("exp_avg", "exp_avg_sq")
+
+    def __init__(self, params: Any, *, lr: float, bias_correction: bool, betas: Any, eps: float, weight_decay: float,
+                 max_grad_norm: float, amsgrad: bool, cuda_aware: bool, comm_backend_name: str, group: Any,
+                 eps_inside_sqrt: bool = False):
+        owner = type(self).__name__
+        if amsgrad:
+            raise ValueError(f"{owner}: amsgrad is not supported (as in the reference)")
+        if eps_inside_sqrt:
+            raise ValueError(f"{owner}: eps_inside_sqrt is not supported; eps is added after the square root")
+        if max_grad_norm:
+            raise ValueError(f"{owner}: max_grad_norm is not an optimizer parameter here; use the config's "
+                             "'gradient_clipping' (ZeroOptimizer's gradient_clipping)")
+        if comm_backend_name not in COMM_BACKENDS:
+            raise ValueError(f"{owner}: comm_backend_name must be one of {', '.join(COMM_BACKENDS)}, got "
+                             f"{comm_backend_name!r} (ds-zero sends through ds-comm's process group whatever the name)")
+        if not (isinstance(lr, (int, float)) and lr >= 0):
+            raise ValueError(f"{owner}: lr must be a number >= 0, got {lr!r}")
+        beta1, beta2 = betas
+        if not (0 <= beta1 < 1 and 0 <= beta2 < 1):
+            raise ValueError(f"{owner}: betas must be two numbers in [0, 1), got {tuple(betas)!r}")
+        if not eps > 0:
+            raise ValueError(f"{owner}: eps must be > 0, got {eps!r}")
+        defaults = {"lr": lr, "bias_correction": bias_correction, "betas": (beta1, beta2), "eps": eps,
+                    "weight_decay": weight_decay}
+        super().__init__(params, defaults)
+        self.cuda_aware, self.comm_backend_name = cuda_aware, comm_backend_name
+        if not ds_comm.is_initialized():
+            raise RuntimeError(f"{owner}: the process group is not initialised; call ds_comm.init_distributed() first")
+        self.bind(group, caller_reduces=False)
+        self._flat: list[_Flat] = []
+        self._buffers: list[dict[str, torch.Tensor]] = []  # per group: flat states and error feedback
+        for group_ in self.param_groups:
+            params_ = [p for p in group_["params"]]
+            for p in params_:
+                if p.dtype != torch.float32:
+                    raise ValueError(f"{owner}: parameters must be float32 (a 16-bit model steps its float32 "
+                                     f"master copy under ZeroOptimizer), got {p.dtype}")
+            flat = _Flat(params_) if params_ else None
+            self._flat.append(flat)
+            buffers: dict[str, torch.Tensor] = {}
+            if flat is not None:
+                device = params_[0].device
+                for key in self.FLAT_STATES:
+                    buffers[key] = torch.zeros(flat.numel, dtype=torch.float32, device=device)
+                at = 0
+                for p in params_:  # per-parameter views: what torch's state_dict and ds-zero's checkpoint see
+                    self.state[p].update({key: buffers[key][at:at + p.numel()].view_as(p)
+                                          for key in self.FLAT_STATES})
+                    at += p.numel()
+            self._buffers.append(buffers)
+        self._errors: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(self.param_groups)
+        self._masks: list[torch.Tensor | None] = [None] * len(self.param_groups)
+        for group_ in self.param_groups:  # the counters live in the groups: every checkpoint keeps them
+            for key, value in self.COUNTERS.items():
+                group_.setdefault(key, value)
+        self.compressed_calls = 0  # compressed all-reduces sent (one per group and call)
+        self.full_precision_averages = 0  # steps whose gradients were averaged in full precision
+
+    COUNTERS: dict[str, Any] = {"onebit_step": 0}
+
+    def _counter(self, key: str) -> Any:
+        return self.param_groups[0][key]
+
+    def _set_counter(self, key: str, value: Any) -> None:
+        for group in self.param_groups:
+            group[key] = value
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps taken."""
+        return int(self._counter("onebit_step"))
+
+    # ------------------------------------------------------------------------------------- protocol
+    def bind(self, group: Any, *, caller_reduces: bool) -> None:
+        """The data-parallel process group, and whether the caller (ZeroOptimizer) averages the gradients
+        on the steps `wants_averaged_gradients` asks for (else this optimizer does, before stepping)."""
+        self.group, self.caller_reduces = group, caller_reduces
+        self.world_size = ds_comm.get_world_size(group)
+
+    def wants_averaged_gradients(self) -> bool:
+        """Whether the next step needs the gradients averaged in full precision (else local ones)."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------------------------- helpers
+    def _grads(self, index: int, averaged: bool) -> torch.Tensor:
+        """Group ``index``'s gradients, flat; averaged here when they must be and the caller did not."""
+        grad = self._flat[index].grads()
+        if averaged and not self.caller_reduces and self.world_size > 1:
+            ds_comm.all_reduce(grad, group=self.group)
+            grad.div_(self.world_size)
+        return grad
+
+    def _compressed_average(self, index: int, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` (flat, float32) averaged over the ranks by the 1-bit all-reduce, in place."""
+        if self.world_size == 1:
+            return tensor
+        if self._errors[index] is None:
+            padded, chunk = ds_comm.error_buffer_sizes(tensor.numel(), self.world_size)
+            self._errors[index] = (torch.zeros(padded, device=tensor.device), torch.zeros(chunk, device=tensor.device))
+        worker, server = self._errors[index]
+        self.compressed_calls += 1
+        ds_comm.compressed_allreduce(tensor, worker, server, group=self.group)
+        if self._masks[index] is not None:  # 1 bit cannot say 0: positions that must stay zero are reset
+            tensor.mul_(self._masks[index])
+        return tensor
+
+    def set_mask(self, index: int, mask: torch.Tensor | None) -> None:
+        """Positions of group ``index``'s flat tensor whose compressed values are dropped (0 in ``mask``):
+        DeepSpeed's ``exp_avg_mask``; ZeroOptimizer masks its buckets' padding with it."""
+        flat = self._flat[index]
+        if mask is not None and (flat is None or mask.numel() != flat.numel):
+            raise ValueError(f"{type(self).__name__}.set_mask: group {index} has "
+                             f"{0 if flat is None else flat.numel} elements, the mask {mask.numel()}")
+        self._masks[index] = None if mask is None else mask.reshape(-1).to(torch.float32)
+
+    def _reset_errors(self) -> None:
+        for pair in self._errors:
+            if pair is not None:
+                pair[0].zero_()
+                pair[1].zero_()
+
+    def _adam_update(self, index: int, group: dict[str, Any], params: torch.Tensor) -> torch.Tensor:
+        """``params -= lr * update`` with ``update = m / (sqrt(v) + eps) + weight_decay * params``; returns
+        the update."""
+        buffers = self._buffers[index]
+        update = buffers["exp_avg_sq"].sqrt().add_(group["eps"])
+        torch.div(buffers["exp_avg"], update, out=update)
+        if group["weight_decay"]:
+            update.add_(params, alpha=group["weight_decay"])
+        params.add_(update, alpha=-group["lr"])
+        return update
+
+    def _count_step(self) -> None:
+        self._set_counter("onebit_step", self.steps + 1)
+
+    # ------------------------------------------------------------------------------------- state
+    def rank_state(self) -> dict[str, torch.Tensor]:
+        """This rank's own tensors (the error feedback of each group that has sent compressed), by name."""
+        out = {}
+        for index, pair in enumerate(self._errors):
+            if pair is not None:
+                out[f"{index}/worker_error"], out[f"{index}/server_error"] = pair
+        return out
+
+    def rank_state_template(self) -> dict[str, torch.Tensor]:
+        """Zero tensors of `rank_state`'s names and sizes for every group (what a load reads into)."""
+        out = {}
+        for index, flat in enumerate(self._flat):
+            if flat is not None:
+                padded, chunk = ds_comm.error_buffer_sizes(flat.numel, self.world_size)
+                out[f"{index}/worker_error"], out[f"{index}/server_error"] = torch.zeros(padded), torch.zeros(chunk)
+        return out
+
+    def load_rank_state(self, state: dict[str, torch.Tensor] | None) -> None:
+        """This rank's error feedback from `rank_state` (None: restart it at zero)."""
+        self._errors = [None] * len(self.param_groups)
+        for index in range(len(self.param_groups)):
+            if state is not None and f"{index}/worker_error" in state:
+                self._errors[index] = (state[f"{index}/worker_error"].clone(), state[f"{index}/server_error"].clone())
+
+    def state_dict(self) -> dict[str, Any]:
+        out = super().state_dict()
+        out["ds_onebit"] = {"rank_state": self.rank_state(), "world_size": self.world_size}
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        extra = state_dict.get("ds_onebit")
+        super().load_state_dict({k: v for k, v in state_dict.items() if k != "ds_onebit"})
+        self._adopt_loaded_states()
+        if extra is not None and extra["world_size"] == self.world_size:
+            self.load_rank_state(extra["rank_state"])
+        else:
+            self.load_rank_state(None)
+            if extra is not None:
+                logger.warning("%s: state saved on %d ranks, loaded on %d: the error feedback restarts at zero",
+                               type(self).__name__, extra["world_size"], self.world_size)
+
+    def _adopt_loaded_states(self) -> None:
+        """torch's load_state_dict replaces the state tensors: copy them into the flat buffers and make the
+        views the state again."""
+        for index, group in enumerate(self.param_groups):
+            at = 0
+            for p in group["params"]:
+                for key in self.FLAT_STATES:
+                    view = self._buffers[index][key][at:at + p.numel()].view_as(p)
+                    loaded = self.state[p].get(key)
+                    if loaded is not None and loaded.data_ptr() != view.data_ptr():
+                        view.copy_(loaded)
+                    self.state[p][key] = view
+                at += p.numel()
+
+
+class OneBitAdam(_CompressedAdam):
+    """1-bit Adam (see the module docstring). DeepSpeed's arguments: ``freeze_step`` (warm-up steps of
+    full-precision Adam, >= 1), ``cuda_aware`` and ``comm_backend_name`` (accepted; the messages go
+    through ds-comm), ``bias_correction`` (accepted and unused, as in the reference); ``group``: the
+    data-parallel process group (default: all ranks)."""
+
+    NAME = "1-bit Adam"
+
+    def __init__(self, params: Any, lr: float = 1e-3, freeze_step: int = 100000, bias_correction: bool = True,
+                 betas: Any = (0.9, 0.999), eps: float = 1e-8, eps_inside_sqrt: bool = False, weight_decay: float = 0.0,
+                 max_grad_norm: float = 0.0, amsgrad: bool = False, cuda_aware: bool = False,
+                 comm_backend_name: str = "nccl", group: Any = None):
+        self.freeze_step = _positive_int("OneBitAdam", "freeze_step", freeze_step)
+        super().__init__(params, lr=lr, bias_correction=bias_correction, betas=betas, eps=eps,
+                         weight_decay=weight_decay, max_grad_norm=max_grad_norm, amsgrad=amsgrad,
+                         cuda_aware=cuda_aware, comm_backend_name=comm_backend_name, group=group,
+                         eps_inside_sqrt=eps_inside_sqrt)
+
+    @property
+    def frozen(self) -> bool:
+        """Whether the variance is frozen and the momentum travels compressed (after ``freeze_step`` steps)."""
+        return self.steps >= self.freeze_step
+
+    def wants_averaged_gradients(self) -> bool:
+        return not self.frozen
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        loss = closure() if closure is not None else None
+        frozen = self.frozen
+        if not frozen and (self.caller_reduces or self.world_size > 1):
+            self.full_precision_averages += 1
+        for index, group in enumerate(self.param_groups):
+            if self._flat[index] is None:
+                continue
+            beta1, beta2 = group["betas"]
+            grad = self._grads(index, averaged=not frozen)
+            m, v = self._buffers[index]["exp_avg"], self._buffers[index]["exp_avg_sq"]
+            m.mul_(beta1).add_(grad, alpha=1 - beta1)
+            if frozen:
+                self._compressed_average(index, m)
+            else:
+                v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+            params = self._flat[index].params_flat()
+            self._adam_update(index, group, params)
+            self._flat[index].write_back(params)
+        self._count_step()
+        if self.steps == self.freeze_step:
+            logger.info("OneBitAdam: %d warm-up steps done; the momentum travels 1-bit compressed from now on",
+                        self.steps)
+        return loss
+
+
+class ZeroOneAdam(_CompressedAdam):
+    """0/1 Adam (see the module docstring). DeepSpeed's arguments: ``var_freeze_step`` (the last step
+    that may update the variance), ``var_update_scaler`` (variance steps at one interval before it
+    doubles), ``local_step_scaler`` (steps at one local-step interval before it doubles),
+    ``local_step_clipper`` (the largest local-step interval); ``cuda_aware``, ``comm_backend_name`` and
+    ``bias_correction`` accepted (see `OneBitAdam`); ``group``: the data-parallel process group."""
+
+    NAME = "0/1 Adam"
+    # sync_params: the parameters at the last synchronisation (every rank's the same, bit for bit); the
+    # paper's accumulator u of the local updates is the parameters minus them, taken when it is sent, so
+    # that after a synchronisation the ranks hold identical parameters, not ones a rounding apart
+    FLAT_STATES = ("exp_avg", "exp_avg_sq", "sync_params")
+
+    def __init__(self, params: Any, lr: float = 1e-3, bias_correction: bool = True, betas: Any = (0.9, 0.999),
+                 eps: float = 1e-8, eps_inside_sqrt: bool = False, weight_decay: float = 0.0,
+                 max_grad_norm: float = 0.0, var_freeze_step: int = 100000, var_update_scaler: int = 16,
+                 local_step_scaler: int = 32678, local_step_clipper: int = 16, amsgrad: bool = False,
+                 cuda_aware: bool = False, comm_backend_name: str = "nccl", group: Any = None):
+        self.var_freeze_step = _positive_int("ZeroOneAdam", "var_freeze_step", var_freeze_step)
+        self.var_update_scaler = _positive_int("ZeroOneAdam", "var_update_scaler", var_update_scaler)
+        self.local_step_scaler = _positive_int("ZeroOneAdam", "local_step_scaler", local_step_scaler)
+        self.local_step_clipper = _positive_int("ZeroOneAdam", "local_step_clipper", local_step_clipper)
+        self.local_steps_skipped = 0  # steps that sent nothing
+        super().__init__(params, lr=lr, bias_correction=bias_correction, betas=betas, eps=eps,
+                         weight_decay=weight_decay, max_grad_norm=max_grad_norm, amsgrad=amsgrad,
+                         cuda_aware=cuda_aware, comm_backend_name=comm_backend_name, group=group,
+                         eps_inside_sqrt=eps_inside_sqrt)
+
+    @property
+    def frozen(self) -> bool:
+        """Whether the variance is frozen and the ranks take local steps (after ``var_freeze_step``)."""
+        return self.steps >= self.var_freeze_step
+
+    def wants_averaged_gradients(self) -> bool:
+        return not self.frozen and (self.steps + 1) % self.var_interval == 0
+
+    # var_interval doubles every var_update_scaler variance steps; local_step_interval every
+    # local_step_scaler local steps; lrs (per group): the learning rates of the local steps since the
+    # last synchronisation
+    COUNTERS = {"onebit_step": 0, "var_interval": 1, "var_counter": 0, "local_step_interval": 1,
+                "local_step_counter": 0, "lrs": 0.0}
+
+    @property
+    def var_interval(self) -> int:
+        return int(self._counter("var_interval"))
+
+    @property
+    def local_step_interval(self) -> int:
+        return int(self._counter("local_step_interval"))
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        loss = closure() if closure is not None else None
+        t = self.steps + 1
+        if not self.frozen:
+            variance_step = t % self.var_interval == 0
+            if variance_step and (self.caller_reduces or self.world_size > 1):
+                self.full_precision_averages += 1
+            for index, group in enumerate(self.param_groups):
+                if self._flat[index] is None:
+                    continue
+                beta1, beta2 = group["betas"]
+                grad = self._grads(index, averaged=variance_step)
+                m, v = self._buffers[index]["exp_avg"], self._buffers[index]["exp_avg_sq"]
+                if variance_step:
+                    v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+                else:
+                    grad = self._compressed_average(index, grad)
+                m.mul_(beta1).add_(grad, alpha=1 - beta1)
+                params = self._flat[index].params_flat()
+                self._adam_update(index, group, params)
+                self._flat[index].write_back(params)
+            if variance_step:
+                counter = int(self._counter("var_counter")) + 1
+                if counter == self.var_update_scaler:
+                    counter = 0
+                    self._set_counter("var_interval", self.var_interval * 2)
+                self._set_counter("var_counter", counter)
+            self._count_step()
+            if self.frozen:  # the errors now compress another quantity (the accumulated updates)
+                self._reset_errors()
+                for index, flat in enumerate(self._flat):
+                    if flat is not None:
+                        self._buffers[index]["sync_params"].copy_(flat.params_flat())
+                logger.info("ZeroOneAdam: variance frozen after %d steps; local steps from now on", self.steps)
+            return loss
+        synchronise = t % self.local_step_interval == 0
+        for index, group in enumerate(self.param_groups):
+            if self._flat[index] is None:
+                continue
+            beta1 = group["betas"][0]
+            grad = self._grads(index, averaged=False)
+            m, v, anchor = (self._buffers[index][k] for k in ("exp_avg", "exp_avg_sq", "sync_params"))
+            m.mul_(beta1).add_(grad, alpha=1 - beta1)
+            params = self._flat[index].params_flat()
+            self._adam_update(index, group, params)
+            group["lrs"] = float(group["lrs"]) + group["lr"]
+            if synchronise:
+                denominator = v.sqrt().add_(group["eps"])
+                u = torch.sub(params, anchor).mul_(denominator)  # the local updates, in momentum units
+                self._compressed_average(index, u)
+                m.copy_(u).div_(-group["lrs"])
+                params.copy_(anchor).addcdiv_(u, denominator)  # from where the ranks agreed
+                anchor.copy_(params)
+                group["lrs"] = 0.0
+            self._flat[index].write_back(params)
+        if not synchronise:
+            self.local_steps_skipped += 1
+        counter = int(self._counter("local_step_counter")) + 1
+        if counter == self.local_step_scaler:
+            counter = 0
+            self._set_counter("local_step_interval", min(self.local_step_clipper, self.local_step_interval * 2))
+        self._set_counter("local_step_counter", counter)
+        self._count_step()
+        return loss
+
