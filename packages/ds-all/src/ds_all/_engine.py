@@ -23,7 +23,7 @@ from ds_profiler import FlopsProfiler
 from ds_zero import ZeroOptimizer
 
 from . import _checkpoint, _client, _data, checkpointing
-from ._optimizers import build_optimizer
+from ._optimizers import ONE_BIT, build_optimizer
 from ._progress import ProgressBar
 from ._scheduler_config import build_scheduler
 from ._timers import ALLREDUCE, BACKWARD, FORWARD, STEP, Timers
@@ -55,6 +55,11 @@ class DeepSpeedEngine(nn.Module):
         self.timers = Timers()
         self.zero: ZeroOptimizer | None = None
         self.optimizer: Any = None
+        one_bit = ONE_BIT.get(config.optimizer.type.lower()) if config.optimizer is not None else None
+        if one_bit is not None and config.zero_optimization.stage != 0:
+            raise ValueError(f"initialize: optimizer.type {one_bit} runs with zero_optimization.stage 0 only (as "
+                             f"DeepSpeed's 1-bit optimizers), got stage {config.zero_optimization.stage}: its 1-bit "
+                             "messages replace the data-parallel all-reduce that stages 1-3 partition")
         factory, groups = self._optimizer_factory(optimizer, model_parameters)
         if factory is not None:
             self.zero = self.optimizer = ZeroOptimizer(

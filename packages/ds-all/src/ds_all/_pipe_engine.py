@@ -18,6 +18,7 @@ import torch
 from ds_pipe import PipelineExecutor, PipelineModule
 
 from ._engine import DeepSpeedEngine
+from ._optimizers import ONE_BIT
 from ._timers import ALLREDUCE, BACKWARD, STEP
 
 logger = logging.getLogger("ds_all")
@@ -36,6 +37,11 @@ class PipelineEngine(DeepSpeedEngine):
         if config.zero_optimization.stage > 2:
             raise ValueError(f"initialize: a PipelineModule trains with zero_optimization.stage 0, 1 or 2, got "
                              f"{config.zero_optimization.stage} (stage 3 partitions the layers a stage owns whole)")
+        one_bit = ONE_BIT.get(config.optimizer.type.lower()) if config.optimizer is not None else None
+        if one_bit is not None:
+            raise ValueError(f"initialize: optimizer.type {one_bit} does not train a PipelineModule (as in the "
+                             "reference): its 1-bit messages replace the data-parallel all-reduce of a plain engine; "
+                             "use Adam, AdamW or Lamb with a pipeline")
         stages = config.pipeline.stages
         if stages != "auto" and stages != model.num_stages:
             raise ValueError(f"initialize: pipeline.stages is {stages} but the PipelineModule has {model.num_stages} "

@@ -137,8 +137,6 @@ class _CompressedAdam(torch.optim.Optimizer):
                     "weight_decay": weight_decay}
         super().__init__(params, defaults)
         self.cuda_aware, self.comm_backend_name = cuda_aware, comm_backend_name
-        if not ds_comm.is_initialized():
-            raise RuntimeError(f"{owner}: the process group is not initialised; call ds_comm.init_distributed() first")
         self.bind(group, caller_reduces=False)
         self._flat: list[_Flat] = []
         self._buffers: list[dict[str, torch.Tensor]] = []  # per group: flat states and error feedback
@@ -188,7 +186,13 @@ class _CompressedAdam(torch.optim.Optimizer):
         """The data-parallel process group, and whether the caller (ZeroOptimizer) averages the gradients
         on the steps `wants_averaged_gradients` asks for (else this optimizer does, before stepping)."""
         self.group, self.caller_reduces = group, caller_reduces
-        self.world_size = ds_comm.get_world_size(group)
+
+    @property
+    def world_size(self) -> int:
+        if not ds_comm.is_initialized():
+            raise RuntimeError(f"{type(self).__name__}: the process group is not initialised; call "
+                               "ds_comm.init_distributed() first")
+        return ds_comm.get_world_size(self.group)
 
     def wants_averaged_gradients(self) -> bool:
         """Whether the next step needs the gradients averaged in full precision (else local ones)."""
