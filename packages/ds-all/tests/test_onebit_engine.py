@@ -1,4 +1,4 @@
-"""The 1-bit optimizers through the engine's config: ``optimizer.type`` OneBitAdam / ZeroOneAdam train
+"""The 1-bit optimizers through the engine's config: ``optimizer.type`` OneBitAdam / ZeroOneAdam / OneBitLamb train
 exactly as ds-zero's ZeroOptimizer with the same optimizer; after warm-up a step sends >= 20x fewer
 bytes than Adam's fp32 all-reduce (the comms logger's own counts), and 0/1 Adam's local steps send
 nothing; ZeRO stages 1-3 and pipelines are refused naming the key."""
@@ -14,12 +14,13 @@ from torch import nn
 import ds_all
 import ds_comm
 from ds_comm.testing import spawn
-from ds_zero import OneBitAdam, ZeroOneAdam, ZeroOptimizer
+from ds_zero import OneBitAdam, OneBitLamb, ZeroOneAdam, ZeroOptimizer
 
 STEPS, WIDTH = 8, 96
 ONEBIT = {"type": "OneBitAdam", "params": {"lr": 1e-3, "freeze_step": 3, "comm_backend_name": "gloo"}}
 ZEROONE = {"type": "ZeroOneAdam", "params": {"lr": 1e-3, "var_freeze_step": 4, "var_update_scaler": 1,
                                              "local_step_scaler": 1, "local_step_clipper": 2}}
+LAMB = {"type": "OneBitLamb", "params": {"lr": 1e-3, "freeze_step": 3, "weight_decay": 0.01}}
 ADAM = {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}}
 
 
@@ -42,7 +43,7 @@ def engine_vs_direct(rank, world_size, section):
     model = _model()
     direct = copy.deepcopy(model)
     engine, *_ = ds_all.initialize(model=model, config=_config(section))
-    cls = OneBitAdam if section["type"] == "OneBitAdam" else ZeroOneAdam
+    cls = {"OneBitAdam": OneBitAdam, "ZeroOneAdam": ZeroOneAdam, "OneBitLamb": OneBitLamb}[section["type"]]
     options = {k: v for k, v in section["params"].items() if k != "comm_backend_name"}
     zero = ZeroOptimizer(direct, lambda tensors: cls(tensors, **options), config={"stage": 0})
     sent = []
@@ -78,9 +79,10 @@ def adam_step_bytes():
     return spawn(adam_bytes, world_size=2)[0]
 
 
-def test_one_bit_adam_from_the_config_sends_20x_fewer_bytes_after_warm_up(adam_step_bytes):
-    for same, sent, kind in spawn(engine_vs_direct, world_size=2, args=(ONEBIT,)):
-        assert kind == "OneBitAdam" and same
+@pytest.mark.parametrize("section", [ONEBIT, LAMB], ids=["OneBitAdam", "OneBitLamb"])
+def test_one_bit_adam_and_lamb_from_the_config_send_20x_fewer_bytes_after_warm_up(adam_step_bytes, section):
+    for same, sent, kind in spawn(engine_vs_direct, world_size=2, args=(section,)):
+        assert kind == section["type"] and same
         assert all(b == pytest.approx(adam_step_bytes, rel=0.01) for b in sent[:3])  # warm-up: Adam's all-reduce
         assert all(adam_step_bytes / b >= 20 for b in sent[3:]), (adam_step_bytes, sent)
 

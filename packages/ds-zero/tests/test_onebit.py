@@ -16,6 +16,7 @@ import ds_comm
 from ds_comm.testing import spawn
 from ds_zero import (
     OneBitAdam,
+    OneBitLamb,
     ZeroOneAdam,
     ZeroOptimizer,
     load_zero_checkpoint,
@@ -164,6 +165,64 @@ class RefZeroOneAdam:
         self.t = t
 
 
+class RefOneBitLamb:
+    """Li et al. 2021, per parameter: LAMB warm-up (trust ratio clamped to [min, max], its running average
+    kept); then local momenta scaled to one magnitude, C-averaged, scaled back; the variance frozen, a
+    fresh one from the reconstructed gradients; trust ratio = average x factor, the factor clamped."""
+
+    MIN, MAX, BETA, F_MIN, F_MAX, THRESHOLD = 0.01, 10.0, 0.9, 0.5, 4.0, 0.1
+
+    def __init__(self, params: list[torch.Tensor], world: int, freeze_step: int, flat_of, unflat, mask=None):
+        self.p = [t.clone() for t in params]
+        self.m, self.v, self.fresh = ([torch.zeros_like(t) for t in params] for _ in range(3))
+        self.averaged, self.last_factor, self.scaling = [0.0] * len(params), [1.0] * len(params), None
+        self.world, self.freeze_step, self.t = world, freeze_step, 0
+        self.flat_of, self.unflat = flat_of, unflat
+        self.wire = _Wire(flat_of(params).numel(), world, mask)
+
+    def step(self, grads: list[list[torch.Tensor]]) -> None:
+        b1, b2 = BETAS
+        n = len(self.p)
+        if self.t < self.freeze_step:
+            for i in range(n):
+                g = torch.stack([grads[r][i] for r in range(self.world)]).mean(0)
+                self.m[i] = b1 * self.m[i] + (1 - b1) * g
+                self.v[i] = b2 * self.v[i] + (1 - b2) * g * g
+                if self.t + 1 == self.freeze_step:
+                    self.fresh[i] = self.v[i].clone()
+                update = _adam_update(self.m[i], self.v[i], self.p[i])
+                w, u = self.p[i].norm().item(), update.norm().item()
+                coeff = min(max(w / u, self.MIN), self.MAX) if w and u else 1.0
+                if coeff != 1.0:
+                    self.averaged[i] = self.BETA * self.averaged[i] + (1 - self.BETA) * coeff
+                self.p[i] = self.p[i] - LR * coeff * update
+        else:
+            if self.scaling is None:
+                rms = [m.norm().item() / math.sqrt(m.numel()) for m in self.m]
+                united = sum(rms) / n
+                self.scaling = [united / r for r in rms]
+            last = [m.clone() for m in self.m]
+            local = [self.flat_of([(b1 * self.m[i] + (1 - b1) * grads[r][i]) * self.scaling[i] for i in range(n)])
+                     for r in range(self.world)]
+            averaged = self.unflat(self.wire.average(local))
+            for i in range(n):
+                self.m[i] = averaged[i] / self.scaling[i]
+                reconstructed = (self.m[i] - b1 * last[i]) / (1 - b1)
+                self.fresh[i] = b2 * self.fresh[i] + (1 - b2) * reconstructed * reconstructed
+                denominator = self.v[i].sqrt() + EPS
+                prelim = self.m[i] / denominator
+                update = prelim + DECAY * self.p[i]
+                factor = (denominator / (self.fresh[i].sqrt() + EPS)).max().item()
+                share = min(1.0, prelim.norm().item() / update.norm().item())
+                factor = factor * share + (1 - share)
+                factor = min(max(factor, self.F_MIN), self.F_MAX)
+                factor = min(max(factor, self.last_factor[i] * (1 - self.THRESHOLD)),
+                             self.last_factor[i] * (1 + self.THRESHOLD))
+                self.last_factor[i] = factor
+                self.p[i] = self.p[i] - LR * self.averaged[i] * factor * update
+        self.t += 1
+
+
 # ------------------------------------------------------------------------------------ the runs
 def _grads_of(model: nn.Module, step: int, rank: int) -> list[torch.Tensor]:
     model.zero_grad()
@@ -176,13 +235,41 @@ def _flatten(tensors) -> torch.Tensor:
 
 
 ONEBIT = {"freeze_step": 3}
+LAMB = {"freeze_step": 3}
 ZEROONE = {"var_freeze_step": 6, "var_update_scaler": 2, "local_step_scaler": 2, "local_step_clipper": 4}
 STEPS = 12
+
+
+def _unflat_of(flat_of):
+    """The inverse of ``flat_of`` for the model's parameters."""
+    shapes = [p.shape for p in _model().parameters()]
+    where = []
+    for i, shape in enumerate(shapes):
+        marker = [torch.zeros(s) for s in shapes]
+        marker[i] = torch.ones(shape)
+        where.append(flat_of(marker).bool())
+    return lambda flat: [flat[w].view(shape) for w, shape in zip(where, shapes, strict=True)]
+
+
+def _reference_lamb(world: int, flat_of, mask=None) -> list[list[torch.Tensor]]:
+    model = _model()
+    ref = RefOneBitLamb([p.detach() for p in model.parameters()], world, LAMB["freeze_step"], flat_of,
+                        _unflat_of(flat_of), mask)
+    trace = []
+    for step in range(STEPS):
+        with torch.no_grad():
+            for p, value in zip(model.parameters(), ref.p, strict=True):
+                p.copy_(value)
+        ref.step([_grads_of(model, step, r) for r in range(world)])
+        trace.append([flat_of(ref.p)] * world)
+    return trace
 
 
 def _reference(kind: str, world: int, flat_of, mask=None) -> list[list[torch.Tensor]]:
     """The reference's flat parameters of every rank after each step; ``flat_of(list of tensors)`` lays
     a model's tensors out as the optimizer under test does."""
+    if kind == "lamb":
+        return _reference_lamb(world, flat_of, mask)
     model = _model()
     start = flat_of([p.detach() for p in model.parameters()])
     ref = RefOneBitAdam(start, world, **ONEBIT, mask=mask) if kind == "onebit" else \
@@ -210,7 +297,7 @@ def _unflatten_into(model: nn.Module, flat: torch.Tensor, flat_of) -> None:
 
 
 def _optimizer(kind: str, params, **kwargs):
-    cls, options = (OneBitAdam, ONEBIT) if kind == "onebit" else (ZeroOneAdam, ZEROONE)
+    cls, options = {"onebit": (OneBitAdam, ONEBIT), "zeroone": (ZeroOneAdam, ZEROONE), "lamb": (OneBitLamb, LAMB)}[kind]
     return cls(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=DECAY, **options, **kwargs)
 
 
@@ -233,18 +320,18 @@ def alone_vs_reference(rank, world_size, kind):
 def _exact_steps(kind: str) -> int:
     """Steps before the first compressed message: 1-bit Adam's warm-up; 0/1 Adam's steps 1-2 (variance
     steps at interval 1, then step 3 sends its gradient compressed)."""
-    return ONEBIT["freeze_step"] if kind == "onebit" else 2
+    return 2 if kind == "zeroone" else 3
 
 
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("kind", ["onebit", "zeroone"])
+@pytest.mark.parametrize("kind", ["onebit", "zeroone", "lamb"])
 def test_alone_the_optimizers_follow_the_papers_equations(kind, world):
     results = spawn(alone_vs_reference, world_size=world, args=(kind,), timeout=180)
     for diffs, averaged, compressed, skipped in results:
         assert max(diffs[:_exact_steps(kind)]) < 1e-6, diffs  # full-precision averaging: the same arithmetic
         # compressed: the same 1-bit compression; float summation order may differ in the last bits
         assert max(diffs) < 1e-5, diffs
-        if kind == "onebit":
+        if kind in ("onebit", "lamb"):
             assert averaged == [True] * 3 + [False] * (STEPS - 3)
             assert compressed == STEPS - 3
         else:
@@ -285,12 +372,12 @@ def under_zero(rank, world_size, kind):
     return diffs, reduced_steps
 
 
-@pytest.mark.parametrize("kind", ["onebit", "zeroone"])
+@pytest.mark.parametrize("kind", ["onebit", "zeroone", "lamb"])
 def test_under_zero_stage_0_the_full_precision_reduction_runs_only_when_asked(kind):
     for diffs, reduced in spawn(under_zero, world_size=2, args=(kind,), timeout=180):
         assert max(diffs) < 1e-5, diffs
         full = [n > 0 for n in reduced]
-        if kind == "onebit":
+        if kind in ("onebit", "lamb"):
             assert full == [True] * 3 + [False] * (STEPS - 3)
         else:
             assert full == [True, True, False, True, False, True] + [False] * 6
@@ -319,7 +406,7 @@ def checkpoint_resume(rank, world_size, kind, path):
     return same, errors, loaded_errors, resumed.optimizer.steps
 
 
-@pytest.mark.parametrize("kind", ["onebit", "zeroone"])
+@pytest.mark.parametrize("kind", ["onebit", "zeroone", "lamb"])
 def test_a_checkpoint_carries_the_error_feedback_and_resumes_exactly(tmp_path, kind):
     for same, errors, loaded, steps in spawn(checkpoint_resume, world_size=2, args=(kind, str(tmp_path / "ck"))):
         assert errors and all(v > 0 for v in errors.values())

@@ -66,14 +66,11 @@ def _choose(name: str, params: dict[str, Any], offload: bool) -> tuple[type, dic
         return ds_ops.CPULion, params
     if lower == "adagrad":
         return (ds_ops.CPUAdagrad if offload else torch.optim.Adagrad), params
-    if lower in ("onebitadam", "zerooneadam"):
+    if lower in ONE_BIT:
         if offload:
             raise _problem("", f"{ONE_BIT[lower]} steps on the model's own memory with ZeRO stage 0; "
                                "zero_optimization.offload_optimizer is for stages 1-3: remove it")
         return getattr(ds_zero, ONE_BIT[lower]), params
-    if lower in ONE_BIT:
-        raise _problem("", f"{ONE_BIT[lower]} is not in ds_all yet (OneBitAdam and ZeroOneAdam are); use Lamb "
-                           "meanwhile")
     if lower in MUP:
         try:
             return getattr(importlib.import_module("mup"), MUP[lower]), params

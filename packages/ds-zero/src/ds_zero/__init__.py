@@ -7,7 +7,7 @@
 Stages 0-3 in float32, fp16 (loss scaling) and bf16 with a float32 master copy, CPU offload of the
 optimizer (ZeRO-Offload); at stage 3 `Init` builds a model already partitioned and
 `GatheredParameters` makes parameters whole for a while; optimizer states and parameters on NVMe
-(ZeRO-Infinity). `OneBitAdam` and `ZeroOneAdam` (stage 0) send 1-bit compressed messages after warm-up.
+(ZeRO-Infinity). `OneBitAdam`, `ZeroOneAdam` and `OneBitLamb` (stage 0) send 1-bit compressed messages after warm-up.
 """
 
 from ._checkpoint import SafeReader, load_zero_checkpoint, read_zero_metadata, save_zero_checkpoint
@@ -27,11 +27,11 @@ from ._init import (
 )
 from ._optimizer import ZeroOptimizer
 from .config import BF16Config, FP16Config, OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig
-from .onebit import OneBitAdam, ZeroOneAdam
+from .onebit import OneBitAdam, OneBitLamb, ZeroOneAdam
 
 __version__ = "0.1.0"
 
-__all__ = ["BF16Config", "FP16Config", "GatheredParameters", "Init", "OffloadOptimizerConfig", "OffloadParamConfig", "OneBitAdam", "SafeReader",
+__all__ = ["BF16Config", "FP16Config", "GatheredParameters", "Init", "OffloadOptimizerConfig", "OffloadParamConfig", "OneBitAdam", "OneBitLamb", "SafeReader",
            "ZeroConfig", "ZeroOneAdam",
            "ZeroOptimizer", "__version__", "estimate_zero2_model_states_mem_needs_all_cold",
            "estimate_zero2_model_states_mem_needs_all_live", "estimate_zero3_model_states_mem_needs_all_cold",

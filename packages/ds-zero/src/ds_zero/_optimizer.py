@@ -590,16 +590,20 @@ class ZeroOptimizer(Reduction):
                              "caller that reduces by hand (reduce_in_backward=False, a pipeline stage)")
 
     def _mask_padding(self) -> None:
-        """The buckets' padding stays zero under a 1-bit optimizer (compressed, it would not): each
-        optimizer group's flat tensor (its runs, in order) gets a mask of the parameters' positions."""
-        used = torch.zeros(self.layout.numel, dtype=torch.bool)
-        for slot in self.layout.slots:
-            used[slot.offset:slot.offset + slot.numel] = True
+        """Tell a 1-bit optimizer where the parameters lie in each group's flat tensor (its runs, in
+        order): the buckets' padding stays zero (compressed, it would not), and 1-bit LAMB takes its trust
+        ratios per parameter."""
         where = {id(t): at for t, (at, _) in zip(self._step_params, self._owned, strict=True)}
+        slots = sorted(self.layout.slots, key=lambda slot: slot.offset)
         for index, group in enumerate(self.optimizer.param_groups):
+            segments, base = [], 0
+            for t in group["params"]:  # a run holds whole parameters at stage 0
+                start, end = where[id(t)], where[id(t)] + t.numel()
+                segments += [(base + slot.offset - start, slot.numel) for slot in slots
+                             if start <= slot.offset < end]
+                base += t.numel()
             if group["params"]:
-                self.optimizer.set_mask(index, torch.cat([used[where[id(t)]:where[id(t)] + t.numel()]
-                                                          for t in group["params"]]))
+                self.optimizer.set_segments(index, segments)
 
     def _next_reduction(self) -> None:
         """Whether the next accumulation's gradients are averaged (a 1-bit optimizer decides)."""

@@ -94,6 +94,8 @@ def fused_adam_step(optimizer: torch.optim.Optimizer, recipe: AdamRecipe, master
 
 def needs_whole_tensors(optimizer: torch.optim.Optimizer) -> str | None:
     """Why ``optimizer`` cannot step flat slices of many parameters (None when it can)."""
+    if callable(getattr(optimizer, "set_segments", None)):  # told where each parameter lies (1-bit LAMB)
+        return None
     if isinstance(optimizer, ds_ops.FusedLamb) or "lamb" in type(optimizer).__name__.lower():
         return "LAMB scales each tensor's update by its own trust ratio (norm of the weights over norm of the update)"
     if isinstance(optimizer, torch.optim.LBFGS):

@@ -1,6 +1,8 @@
-"""Communication-efficient Adam: 1-bit Adam (Tang et al. 2021) and 0/1 Adam (Lu et al. 2022).
+"""Communication-efficient optimizers: 1-bit Adam (Tang et al. 2021), 0/1 Adam (Lu et al. 2022) and
+1-bit LAMB (Li et al. 2021, `OneBitLamb`, described in its class).
 
-Both start as Adam on gradients averaged in full precision, then stop sending full-precision data:
+1-bit Adam and 0/1 Adam start as Adam on gradients averaged in full precision, then stop sending
+full-precision data:
 
 * `OneBitAdam`: ``freeze_step`` warm-up steps of Adam (no bias correction, as the reference); then the
   variance is frozen and each rank updates the momentum with its *local* gradient, and the momentum is
@@ -34,6 +36,7 @@ them per rank); loaded on another world size they restart at zero, as the refere
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 import torch
@@ -160,7 +163,17 @@ class _CompressedAdam(torch.optim.Optimizer):
                     at += p.numel()
             self._buffers.append(buffers)
         self._errors: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(self.param_groups)
-        self._masks: list[torch.Tensor | None] = [None] * len(self.param_groups)
+        # per group: (start, length) of each parameter in the flat tensor; what lies between them (ZeRO's
+        # padding) is kept at zero. Standalone, the parameters themselves, back to back.
+        self._segments: list[list[tuple[int, int]]] = []
+        self._gaps: list[list[tuple[int, int]]] = []
+        for group_ in self.param_groups:
+            at, segments = 0, []
+            for p in group_["params"]:
+                segments.append((at, p.numel()))
+                at += p.numel()
+            self._segments.append(segments)
+            self._gaps.append([])
         for group_ in self.param_groups:  # the counters live in the groups: every checkpoint keeps them
             for key, value in self.COUNTERS.items():
                 group_.setdefault(key, value)
@@ -217,18 +230,27 @@ class _CompressedAdam(torch.optim.Optimizer):
         worker, server = self._errors[index]
         self.compressed_calls += 1
         ds_comm.compressed_allreduce(tensor, worker, server, group=self.group)
-        if self._masks[index] is not None:  # 1 bit cannot say 0: positions that must stay zero are reset
-            tensor.mul_(self._masks[index])
+        for start, length in self._gaps[index]:  # 1 bit cannot say 0: what must stay zero is reset
+            tensor[start:start + length].zero_()
         return tensor
 
-    def set_mask(self, index: int, mask: torch.Tensor | None) -> None:
-        """Positions of group ``index``'s flat tensor whose compressed values are dropped (0 in ``mask``):
-        DeepSpeed's ``exp_avg_mask``; ZeroOptimizer masks its buckets' padding with it."""
+    def set_segments(self, index: int, segments: list[tuple[int, int]]) -> None:
+        """Where group ``index``'s parameters lie in its flat tensor ((start, length), ascending): ZeRO's
+        buckets are padded, and the padding must stay zero (compressed, it would not: DeepSpeed's
+        ``exp_avg_mask``); LAMB's trust ratios are taken per parameter."""
         flat = self._flat[index]
-        if mask is not None and (flat is None or mask.numel() != flat.numel):
-            raise ValueError(f"{type(self).__name__}.set_mask: group {index} has "
-                             f"{0 if flat is None else flat.numel} elements, the mask {mask.numel()}")
-        self._masks[index] = None if mask is None else mask.reshape(-1).to(torch.float32)
+        numel = 0 if flat is None else flat.numel
+        at, gaps = 0, []
+        for start, length in segments:
+            if start < at or length < 1 or start + length > numel:
+                raise ValueError(f"{type(self).__name__}.set_segments: segments must be ascending, disjoint and "
+                                 f"inside group {index}'s {numel} elements; got ({start}, {length}) after {at}")
+            if start > at:
+                gaps.append((at, start - at))
+            at = start + length
+        if at < numel:
+            gaps.append((at, numel - at))
+        self._segments[index], self._gaps[index] = list(segments), gaps
 
     def _reset_errors(self) -> None:
         for pair in self._errors:
@@ -476,3 +498,171 @@ class ZeroOneAdam(_CompressedAdam):
         self._count_step()
         return loss
 
+
+
+class OneBitLamb(_CompressedAdam):
+    """1-bit LAMB (Li et al. 2021). Warm-up: LAMB on the gradients averaged in full precision (no bias
+    correction, as the reference): each parameter's update ``m / (sqrt(v) + eps) + weight_decay * p`` is
+    scaled by its trust ratio ``||p|| / ||update||`` clamped to ``[min_coeff, max_coeff]``, whose running
+    average (``coeff_beta``) is kept. From ``freeze_step`` on, the momentum is updated locally, scaled per
+    parameter to a common magnitude (the mean RMS of the momenta at the end of warm-up over each one's
+    own) so that one 1-bit message compresses them all fairly, averaged by the 1-bit all-reduce, scaled
+    back; the variance is frozen and a fresh one is kept from the gradients reconstructed from the
+    averaged momentum; the trust ratio is the frozen average times a factor ``max(frozen denominator /
+    fresh denominator)``, clamped to ``[factor_min, factor_max]`` and to within ``factor_threshold`` of
+    the last step's. DeepSpeed's arguments; ``group``: the data-parallel process group."""
+
+    NAME = "1-bit LAMB"
+    FLAT_STATES = ("exp_avg", "exp_avg_sq", "exp_avg_sq_fresh")
+
+    def __init__(self, params: Any, lr: float = 1e-3, freeze_step: int = 100000, bias_correction: bool = True,
+                 betas: Any = (0.9, 0.999), eps: float = 1e-8, eps_inside_sqrt: bool = False, weight_decay: float = 0.0,
+                 max_grad_norm: float = 0.0, max_coeff: float = 10.0, min_coeff: float = 0.01, amsgrad: bool = False,
+                 cuda_aware: bool = False, comm_backend_name: str = "nccl", coeff_beta: float = 0.9,
+                 factor_max: float = 4.0, factor_min: float = 0.5, factor_threshold: float = 0.1, group: Any = None):
+        self.freeze_step = _positive_int("OneBitLamb", "freeze_step", freeze_step)
+        for name, value in (("max_coeff", max_coeff), ("min_coeff", min_coeff), ("factor_max", factor_max),
+                            ("factor_min", factor_min)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"OneBitLamb: {name} must be a number > 0, got {value!r}")
+        if min_coeff > max_coeff or factor_min > factor_max:
+            raise ValueError(f"OneBitLamb: need min_coeff <= max_coeff and factor_min <= factor_max, got "
+                             f"[{min_coeff}, {max_coeff}] and [{factor_min}, {factor_max}]")
+        if not 0 <= coeff_beta < 1 or not factor_threshold >= 0:
+            raise ValueError(f"OneBitLamb: coeff_beta must be in [0, 1) and factor_threshold >= 0, got {coeff_beta!r} "
+                             f"and {factor_threshold!r}")
+        self.coeff_beta, self.factor_threshold = coeff_beta, factor_threshold
+        self.factor_max, self.factor_min = factor_max, factor_min
+        super().__init__(params, lr=lr, bias_correction=bias_correction, betas=betas, eps=eps,
+                         weight_decay=weight_decay, max_grad_norm=max_grad_norm, amsgrad=amsgrad,
+                         cuda_aware=cuda_aware, comm_backend_name=comm_backend_name, group=group,
+                         eps_inside_sqrt=eps_inside_sqrt)
+        for group_ in self.param_groups:
+            group_.setdefault("max_coeff", max_coeff)
+            group_.setdefault("min_coeff", min_coeff)
+        self.lamb_coeffs: list[float] = []  # the last step's trust ratios, parameter by parameter (as DeepSpeed's)
+
+    # per group, one value per parameter (lists: kept by every checkpoint as the groups' plain data):
+    # the running average of the warm-up trust ratios, the last compressed step's factor, and the
+    # momentum scaling of the compression stage (empty until it starts)
+    COUNTERS = {"onebit_step": 0}
+
+    @property
+    def frozen(self) -> bool:
+        """Whether the compression stage has begun (after ``freeze_step`` warm-up steps)."""
+        return self.steps >= self.freeze_step
+
+    def wants_averaged_gradients(self) -> bool:
+        return not self.frozen
+
+    def set_segments(self, index: int, segments: list[tuple[int, int]]) -> None:
+        super().set_segments(index, segments)
+        self._per_parameter(index, reset=True)
+
+    def _per_parameter(self, index: int, reset: bool = False) -> None:
+        group, count = self.param_groups[index], len(self._segments[index])
+        if reset or len(group.get("lamb_coeff_freeze", ())) != count:
+            group["lamb_coeff_freeze"], group["last_factor"], group["scaling_coeff"] = [0.0] * count, [1.0] * count, []
+
+    def _views(self, index: int, flat: torch.Tensor) -> list[torch.Tensor]:
+        return [flat[start:start + length] for start, length in self._segments[index]]
+
+    @staticmethod
+    def _norms(views: list[torch.Tensor]) -> list[float]:
+        return [float(n) for n in torch._foreach_norm(views)] if views else []
+
+    def _start_compression(self) -> None:
+        """Each parameter's momentum scaled to the mean RMS of all of them (the reference's united scale)."""
+        rms = []
+        for index in range(len(self.param_groups)):
+            if self._flat[index] is not None:
+                views = self._views(index, self._buffers[index]["exp_avg"])
+                rms.append([norm / math.sqrt(v.numel()) for norm, v in zip(self._norms(views), views, strict=True)])
+        flat = [r for group_rms in rms for r in group_rms]
+        united = sum(flat) / len(flat) if flat else 1.0
+        groups = [g for index, g in enumerate(self.param_groups) if self._flat[index] is not None]
+        for group, group_rms in zip(groups, rms, strict=True):
+            group["scaling_coeff"] = [united / r if r > 0 else 1.0 for r in group_rms]
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        loss = closure() if closure is not None else None
+        frozen = self.frozen
+        if not frozen and (self.caller_reduces or self.world_size > 1):
+            self.full_precision_averages += 1
+        for index, group in enumerate(self.param_groups):
+            if group["params"]:
+                self._per_parameter(index)
+        if frozen and any(not g["scaling_coeff"] for g in self.param_groups if g["params"]):
+            self._start_compression()
+        self.lamb_coeffs = []
+        for index, group in enumerate(self.param_groups):
+            if self._flat[index] is None:
+                continue
+            params = self._flat[index].params_flat()
+            grad = self._grads(index, averaged=not frozen)
+            if frozen:
+                coeffs, update = self._compressed_step(index, group, grad, params)
+            else:
+                coeffs, update = self._warm_up_step(index, group, grad, params)
+            self.lamb_coeffs += coeffs
+            torch._foreach_mul_(self._views(index, update), [-group["lr"] * c for c in coeffs])
+            params.add_(update)
+            self._flat[index].write_back(params)
+        self._count_step()
+        return loss
+
+    def _warm_up_step(self, index: int, group: dict[str, Any], grad: torch.Tensor, params: torch.Tensor
+                      ) -> tuple[list[float], torch.Tensor]:
+        beta1, beta2 = group["betas"]
+        m, v, fresh = (self._buffers[index][k] for k in self.FLAT_STATES)
+        m.mul_(beta1).add_(grad, alpha=1 - beta1)
+        v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        if self.steps + 1 == self.freeze_step:
+            fresh.copy_(v)
+        update = v.sqrt().add_(group["eps"])
+        torch.div(m, update, out=update)
+        if group["weight_decay"]:
+            update.add_(params, alpha=group["weight_decay"])
+        coeffs = []
+        averaged = group["lamb_coeff_freeze"]
+        for i, (w, u) in enumerate(zip(self._norms(self._views(index, params)), self._norms(self._views(index, update)),
+                                       strict=True)):
+            coeff = min(max(w / u, group["min_coeff"]), group["max_coeff"]) if w != 0 and u != 0 else 1.0
+            if coeff != 1.0:
+                averaged[i] = self.coeff_beta * averaged[i] + (1 - self.coeff_beta) * coeff
+            coeffs.append(coeff)
+        return coeffs, update
+
+    def _compressed_step(self, index: int, group: dict[str, Any], grad: torch.Tensor, params: torch.Tensor
+                         ) -> tuple[list[float], torch.Tensor]:
+        beta1, beta2 = group["betas"]
+        m, v, fresh = (self._buffers[index][k] for k in self.FLAT_STATES)
+        last = m.clone()
+        m.mul_(beta1).add_(grad, alpha=1 - beta1)
+        scaling = group["scaling_coeff"]
+        torch._foreach_mul_(self._views(index, m), scaling)
+        self._compressed_average(index, m)
+        torch._foreach_mul_(self._views(index, m), [1.0 / s for s in scaling])
+        reconstructed = last.mul_(-beta1).add_(m).div_(1 - beta1)  # the gradient the averaged momentum implies
+        fresh.mul_(beta2).addcmul_(reconstructed, reconstructed, value=1 - beta2)
+        denominator = v.sqrt().add_(group["eps"])
+        ratio = fresh.sqrt().add_(group["eps"])
+        torch.div(denominator, ratio, out=ratio)
+        prelim = torch.div(m, denominator, out=denominator)
+        update = prelim.clone()
+        if group["weight_decay"]:
+            update.add_(params, alpha=group["weight_decay"])
+        factors = [float(view.max()) for view in self._views(index, ratio)]
+        if group["weight_decay"]:
+            shares = [min(1.0, p / u) if u > 0 else 1.0 for p, u in zip(
+                self._norms(self._views(index, prelim)), self._norms(self._views(index, update)), strict=True)]
+            factors = [f * s + (1.0 - s) for f, s in zip(factors, shares, strict=True)]
+        coeffs, last_factors = [], group["last_factor"]
+        for i, factor in enumerate(factors):
+            factor = min(max(factor, self.factor_min), self.factor_max)
+            factor = min(max(factor, last_factors[i] * (1.0 - self.factor_threshold)),
+                         last_factors[i] * (1.0 + self.factor_threshold))
+            last_factors[i] = factor
+            coeffs.append(group["lamb_coeff_freeze"][i] * factor)
+        return coeffs, update
