@@ -323,10 +323,28 @@ def _exact_steps(kind: str) -> int:
     return 2 if kind == "zeroone" else 3
 
 
+KINDS = ("onebit", "zeroone", "lamb")
+_RUNS: dict = {}
+
+
+def every_kind(rank, world_size, name, *args):
+    """One spawn runs a rank function for every optimizer (a spawn costs seconds of imports)."""
+    return {kind: globals()[name](rank, world_size, kind, *args) for kind in KINDS}
+
+
+def _runs(name: str, world: int, *args) -> dict[str, list]:
+    """Each rank's result of ``name`` by optimizer kind, spawned once per module."""
+    key = (name, world, *args)
+    if key not in _RUNS:
+        results = spawn(every_kind, world_size=world, args=(name, *args), timeout=300)
+        _RUNS[key] = {kind: [r[kind] for r in results] for kind in KINDS}
+    return _RUNS[key]
+
+
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("kind", ["onebit", "zeroone", "lamb"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_alone_the_optimizers_follow_the_papers_equations(kind, world):
-    results = spawn(alone_vs_reference, world_size=world, args=(kind,), timeout=180)
+    results = _runs("alone_vs_reference", world)[kind]
     for diffs, averaged, compressed, skipped in results:
         assert max(diffs[:_exact_steps(kind)]) < 1e-6, diffs  # full-precision averaging: the same arithmetic
         # compressed: the same 1-bit compression; float summation order may differ in the last bits
@@ -372,9 +390,9 @@ def under_zero(rank, world_size, kind):
     return diffs, reduced_steps
 
 
-@pytest.mark.parametrize("kind", ["onebit", "zeroone", "lamb"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_under_zero_stage_0_the_full_precision_reduction_runs_only_when_asked(kind):
-    for diffs, reduced in spawn(under_zero, world_size=2, args=(kind,), timeout=180):
+    for diffs, reduced in _runs("under_zero", 2)[kind]:
         assert max(diffs) < 1e-5, diffs
         full = [n > 0 for n in reduced]
         if kind in ("onebit", "lamb"):
@@ -383,7 +401,8 @@ def test_under_zero_stage_0_the_full_precision_reduction_runs_only_when_asked(ki
             assert full == [True, True, False, True, False, True] + [False] * 6
 
 
-def checkpoint_resume(rank, world_size, kind, path):
+def checkpoint_resume(rank, world_size, kind, root):
+    path = f"{root}/{kind}"
     def run(model, zero, start, stop):
         for step in range(start, stop):
             zero.backward(_loss(model, _batch(step, rank)))
@@ -406,9 +425,10 @@ def checkpoint_resume(rank, world_size, kind, path):
     return same, errors, loaded_errors, resumed.optimizer.steps
 
 
-@pytest.mark.parametrize("kind", ["onebit", "zeroone", "lamb"])
-def test_a_checkpoint_carries_the_error_feedback_and_resumes_exactly(tmp_path, kind):
-    for same, errors, loaded, steps in spawn(checkpoint_resume, world_size=2, args=(kind, str(tmp_path / "ck"))):
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_checkpoint_carries_the_error_feedback_and_resumes_exactly(tmp_path_factory, kind):
+    root = _RUNS.setdefault("checkpoint root", str(tmp_path_factory.mktemp("onebit_checkpoints")))
+    for same, errors, loaded, steps in _runs("checkpoint_resume", 2, root)[kind]:
         assert errors and all(v > 0 for v in errors.values())
         assert loaded == errors
         assert steps == STEPS
