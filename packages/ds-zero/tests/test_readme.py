@@ -39,6 +39,11 @@ def test_readme_config_example_runs():
     exec(compile(_blocks()[2], str(README), "exec", dont_inherit=True), {})
 
 
+def test_readme_one_bit_example_runs_on_two_ranks():
+    for printed in spawn(run_example, world_size=2, args=(3,), timeout=120):
+        assert printed.split() == ["5", "3", "ZeroOneAdam"]
+
+
 def test_readme_config_table_names_every_key():
     from ds_zero import ZeroConfig
 
