@@ -213,7 +213,7 @@ def test_ds_report_lists_every_op():
                          check=True).stdout
     for line in ("python", "torch", "compiler", "ninja", "SIMD", "op cache"):
         assert any(row.startswith(line) for row in out.splitlines()), line
-    for op in ("cpu_adam", "cpu_adagrad", "cpu_lion", "cpu_lamb", "sparse_attn"):
+    for op in ("cpu_adam", "cpu_adagrad", "cpu_lion", "cpu_lamb", "sparse_attn", "onebit"):
         (row,) = [r for r in out.splitlines() if r.startswith(op + " ")]
         assert row.split()[1] == "yes", row
 
@@ -292,7 +292,7 @@ def test_ds_report_build_compiles_ops_in_parallel_and_fails_when_builds_fail(tmp
     overlapping = sorted(p.name for p in log.glob("overlap.*"))
     assert len(overlapping) >= 2, (overlapping, result.stdout)  # builds of different ops ran at the same time
     failed = [r for r in result.stdout.splitlines() if "build failed: building op" in r]
-    assert len(failed) >= 5, result.stdout  # ds-ops' five ops (and ds-io's when installed)
+    assert len(failed) >= 6, result.stdout  # ds-ops' six ops (and ds-io's when installed)
 
 
 def test_ds_report_lists_every_installed_ds_package_without_importing_them():

@@ -6,6 +6,7 @@
     opt = ds_ops.CPUAdam(model.parameters(), state_dtype=torch.bfloat16)  # bf16 m, v: 20 B/param/step
     found_inf = ds_ops.adam_step(flat_params, flat_grads, exp_avg, exp_avg_sq, step, lr, grad_scale=1024.0)
 
+``ds_ops.onebit`` holds the 1-bit compression kernels of ``ds_comm.compressed_allreduce``.
 ``ds-report`` lists every op, whether this machine can build it and whether it is built.
 """
 

@@ -14,6 +14,7 @@ from .ops import (
     CPUAdamBuilder,
     CPULambBuilder,
     CPULionBuilder,
+    OneBitBuilder,
     SparseAttentionBuilder,
 )
 from .system import OpBuildError, cache_root
@@ -24,6 +25,7 @@ __all__ = [
     "CPUAdamBuilder",
     "CPULambBuilder",
     "CPULionBuilder",
+    "OneBitBuilder",
     "OpBuildError",
     "OpBuilder",
     "SparseAttentionBuilder",

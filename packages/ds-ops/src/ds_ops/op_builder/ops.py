@@ -56,6 +56,22 @@ class SparseAttentionBuilder(OpBuilder):
         return [csrc_root() / "common", csrc_root() / "sparse_attention"]
 
 
+class OneBitBuilder(OpBuilder):
+    NAME = "onebit"
+    DESCRIPTION = "1-bit compression with error feedback on CPU float32 buffers: ds_comm.compressed_allreduce"
+
+    def sources(self) -> list[Path]:
+        return [csrc_root() / "onebit" / name for name in ("onebit.cpp", "module.cpp")]
+
+    def include_dirs(self) -> list[Path]:
+        return [csrc_root() / "common", csrc_root() / "onebit"]
+
+    def extra_cxx_flags(self) -> list[str]:
+        # every float32 operation rounded on its own, as in the torch reference (no fused multiply-add)
+        return ["-ffp-contract=off"]
+
+
 BUILDERS: dict[str, type[OpBuilder]] = {
-    b.NAME: b for b in (CPUAdamBuilder, CPUAdagradBuilder, CPULionBuilder, CPULambBuilder, SparseAttentionBuilder)
+    b.NAME: b for b in (CPUAdamBuilder, CPUAdagradBuilder, CPULionBuilder, CPULambBuilder, SparseAttentionBuilder,
+                        OneBitBuilder)
 }
