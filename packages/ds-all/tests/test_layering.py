@@ -62,6 +62,9 @@ def check_repo(root: Path) -> list[str]:
             violations.append(f"{project['name']}: not in the layer table of DESIGN.md §1")
             continue
         declared = {_requirement_name(r) for r in project.get("dependencies", [])}
+        # an optional extra declares its packages too (ds-comm[ops]: ds_comm imports ds_ops lazily, guarded)
+        declared |= {_requirement_name(r) for extra in project.get("optional-dependencies", {}).values()
+                     for r in extra}
         for folder in ("src", "tests", "benchmarks"):
             for path in sorted((package_dir / folder).rglob("*.py")):
                 if "fixtures" in path.relative_to(package_dir).parts:
