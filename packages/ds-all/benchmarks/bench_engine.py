@@ -10,6 +10,7 @@ optimizer, schedule) against DDP's setup (process group, ``DistributedDataParall
 after imports, with the model built ("warm": nothing compiled or downloaded).
 
     python benchmarks/bench_engine.py [--steps 12] [--stage 0 1 2] [--gas 1] [--rounds 3] [--json out.json]
+    python benchmarks/bench_engine.py --interleaved [--steps 16]   # the engine's overhead alone, drift-free
 """
 
 from __future__ import annotations
@@ -103,18 +104,85 @@ def run(rank: int, world_size: int, kind: str, stage: int, gas: int, steps: int,
     return {"times": times, "setup": setup}
 
 
+def run_interleaved(rank: int, world_size: int, stage: int, gas: int, steps: int) -> dict:
+    """The engine and ds-zero direct in one process pair on two copies of the model, their steps
+    alternating (which goes first alternates too): each ratio compares two steps taken seconds apart, so
+    the machine's drift between runs does not enter it."""
+    import copy
+
+    import ds_all
+    from ds_zero import ZeroOptimizer
+
+    torch.set_num_threads(1)
+    work = _workload()
+    torch.manual_seed(0)
+    model = work.GPT()
+    direct = copy.deepcopy(model)
+    config = {"train_micro_batch_size_per_gpu": work.MICRO_BATCH, "gradient_accumulation_steps": gas,
+              "optimizer": {"type": "AdamW", "params": {**ADAMW, "torch_adam": True}},
+              "zero_optimization": {"stage": stage}, "steps_per_print": 10**9}
+    engine, *_ = ds_all.initialize(model=model, config=config)
+    zero = ZeroOptimizer(direct, torch.optim.AdamW, optimizer_kwargs=ADAMW, config={"stage": stage},
+                         gradient_accumulation_steps=gas)
+
+    def engine_step(step):
+        for micro in range(gas):
+            engine.backward(engine(work._tokens(step, micro, rank)))
+            engine.step()
+
+    def zero_step(step):
+        for micro in range(gas):
+            zero.backward(direct(work._tokens(step, micro, rank)))
+            zero.step()
+            zero.zero_grad()
+
+    times = {"engine": [], "zero": []}
+    for step in range(steps):
+        order = [("engine", engine_step), ("zero", zero_step)][::1 if step % 2 == 0 else -1]
+        for name, fn in order:
+            ds_comm.barrier()
+            begin = time.perf_counter()
+            fn(step)
+            times[name].append(time.perf_counter() - begin)
+    return times
+
+
+def interleaved(args: argparse.Namespace) -> None:
+    print(f"interleaved: engine and ds-zero direct alternating steps in one process pair, gas {args.gas}, "
+          f"{args.steps} steps each, ratios of adjacent steps from step 3", flush=True)
+    rows = []
+    for stage in args.stage:
+        results = spawn(run_interleaved, world_size=2, args=(stage, args.gas, args.steps), timeout=3600)
+        engine = [max(r["engine"][i] for r in results) for i in range(args.steps)]
+        zero = [max(r["zero"][i] for r in results) for i in range(args.steps)]
+        ratio = statistics.median(e / z for e, z in zip(engine[2:], zero[2:], strict=True))
+        rows.append({"stage": stage, "engine_s": statistics.median(engine[2:]), "zero_s": statistics.median(zero[2:]),
+                     "ratio": ratio})
+        print(f"  stage {stage}: engine {rows[-1]['engine_s']:.3f} s/step, ds-zero {rows[-1]['zero_s']:.3f} s/step, "
+              f"median ratio of adjacent steps {ratio:.3f}x (goal <= 1.02x: {'met' if ratio <= 1.02 else 'missed'})",
+              flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"mode": "interleaved", "steps": args.steps, "gas": args.gas, "rows": rows}, f, indent=2)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--stage", type=int, nargs="+", default=[0, 1, 2], choices=[0, 1, 2])
     parser.add_argument("--gas", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds over the configurations")
+    parser.add_argument("--interleaved", action="store_true",
+                        help="the engine's overhead only: engine and ds-zero steps alternating in one process pair")
     parser.add_argument("--json", help="write the figures here too")
     args = parser.parse_args()
     if args.steps < 4:
         parser.error("--steps must be >= 4 (steps 3.. are timed)")
     if not _WORKLOAD.exists():
         sys.exit(f"bench_engine: the workload's definition is missing: {_WORKLOAD}")
+    if args.interleaved:
+        interleaved(args)
+        return
     kinds = ["ddp"] + [f"{k}-{s}" for s in args.stage for k in ("zero", "engine")]
     print(f"GPT of DESIGN.md §9, 2 ranks x 1 thread, gloo, AdamW, gas {args.gas}; {args.steps} steps, median of "
           f"steps 3..{args.steps}; {args.rounds} interleaved round(s)", flush=True)
