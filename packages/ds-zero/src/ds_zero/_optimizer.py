@@ -18,8 +18,10 @@ overlaps the rest of backward:
   it after. Gradients as at stage 2; after the step nothing is gathered (the next forward does).
 
 The optimizer is the caller's class (``torch.optim.AdamW``, ``ds_ops.CPUAdam``, any optimizer whose
-update is elementwise), built over one tensor per bucket: in float32, views of the flat buffer, so
-stepping them updates the model. With fp16/bf16 the flat buffer (and so the model) is 16-bit and the
+update is elementwise), built over one tensor per bucket (per run of one parameter group when the
+groups have options of their own): in float32, views of the flat buffer, so stepping them updates
+the model. 1-bit optimizers (`ds_zero.onebit`, stage 0) decide per step whether ZeRO averages the
+gradients. With fp16/bf16 the flat buffer (and so the model) is 16-bit and the
 optimizer is built over a float32 master copy of the part this rank steps (all of it at stage 0);
 Adam-family optimizers are then stepped in one fused pass that also writes the new 16-bit
 parameters (`_precision`), others on float32 copies of the gradients. fp16 scales the loss
