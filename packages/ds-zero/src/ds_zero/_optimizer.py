@@ -43,6 +43,7 @@ from torch import nn
 
 import ds_comm
 
+from ._groups import option_groups, step_runs
 from ._layout import FlatLayout
 from ._model import (
     broadcast_from_first_rank,
@@ -52,7 +53,6 @@ from ._model import (
     gather_init_partitioned,
     is_init_partitioned,
     param_name,
-    short,
     trainable,
     unpartition,
     version,
@@ -69,6 +69,7 @@ from ._precision import (
 from ._reduction import Reduction
 from ._scaler import LossScaler
 from ._stage3 import Stage3, plan_units
+from ._state import State
 from .config import BF16Config, FP16Config, ZeroConfig, mixed_precision
 
 logger = logging.getLogger(__name__)
@@ -90,7 +91,7 @@ _NOT_YET = {
 }
 
 
-class ZeroOptimizer(Reduction):
+class ZeroOptimizer(Reduction, State):
     """ZeRO stages 0-3 for ``model`` with ``optimizer`` (a class or a callable taking the list of
     tensors to optimize), in a plain loop::
 
@@ -152,7 +153,7 @@ class ZeroOptimizer(Reduction):
         if isinstance(optimizer, type) and hasattr(optimizer, "wants_averaged_gradients"):
             self._check_compressed(optimizer.__name__)  # before the model is touched
         params = trainable(model)
-        group_of, group_options = _option_groups(param_groups, model, params)
+        group_of, group_options = option_groups(param_groups, model, params)
         for p in params:
             if hasattr(p, "_ds_stage3"):
                 raise ValueError(f"ZeroOptimizer: parameter {param_name(model, p)} is managed by another stage-3 "
@@ -232,7 +233,7 @@ class ZeroOptimizer(Reduction):
                                   self._shard_starts, self.config, group, self._shard_modified)
         # the optimizer steps one tensor per run: a bucket's stepped range, split where the option group
         # changes (one run per bucket without param_groups); (bucket, offset in the range, length, group)
-        self._runs = _step_runs(layout, self.stage, self.rank, group_of)
+        self._runs = step_runs(layout, self.stage, self.rank, group_of)
         self._run_starts = [[] for _ in layout.buckets]  # per bucket: (offset, run index), ascending
         for i, (b, at, _, _) in enumerate(self._runs):
             self._run_starts[b].append((at, i))
@@ -454,96 +455,10 @@ class ZeroOptimizer(Reduction):
         self._shard_grads = []
         self._closed = True
 
-    def full_state_dict(self, *, rank0_only: bool = True) -> dict[str, torch.Tensor]:
-        """The model's ``state_dict()`` with every parameter whole, as copies in its training dtype
-        (stage 3 gathers one unit at a time: every rank calls it). With ``rank0_only`` the other ranks
-        get ``{}`` and hold no copy (``stage3_gather_16bit_weights_on_model_save``)."""
-        keep = not rank0_only or self.rank == 0
-        whole: dict[int, torch.Tensor] = {}
-        if self._stage3 is not None:
-            for unit in self._stage3.units:
-                self._stage3.hold(unit)
-                if keep:
-                    whole.update({id(p): p.detach().clone() for p in unit.params})
-                self._stage3.unhold(unit, None)
-        if not keep:
-            return {}
-        return {name: whole[id(t)] if id(t) in whole else t.detach().clone()
-                for name, t in self.model.state_dict(keep_vars=True).items()}
-
     def get_global_grad_norm(self) -> float | None:
         """The L2 norm of the whole (reduced, unscaled, unclipped) gradient at the last step; None
         before one and after a skipped (overflowed) step."""
         return self._global_grad_norm
-
-    def memory_bytes(self) -> dict[str, int]:
-        """Bytes this rank holds for the model's states, by kind: ``params`` (the flat parameters,
-        16-bit with fp16/bf16; at stage 3 this rank's partition plus the units gathered now),
-        ``grads`` (full at stages 0-1, this rank's partition at stages 2-3, plus
-        float32 copies for a non-Adam optimizer of a 16-bit model), ``master`` (the float32 copy of
-        what this rank steps; none in float32 training, where the parameters are the master),
-        ``optimizer`` (the optimizer's state tensors), and ``buffers`` (reusable reduction buffers; at stage 3
-        also released gather buffers kept for reuse)."""
-        def size(tensors) -> int:
-            return sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t) and t.dim() > 0)
-
-        grads = [self._grads if self.stage < 2 else self._partition, self._master_grads]
-        gathered = self._stage3.held_bytes() if self._stage3 is not None else 0  # stage 3: whole units now
-        partition = self._flat.untyped_storage().nbytes()  # 0 when the parameters are on NVMe
-        out = {"params": partition + gathered, "grads": size(grads), "master": size([self._master]),
-               "optimizer": size(t for state in self.optimizer.state.values() for t in state.values()),
-               "buffers": size([*self._bucket_buffers, *self._received]) +
-               (self._stage3.pooled_bytes() if self._stage3 is not None else 0)}
-        if self._nvme is not None:  # RAM: its chunk buffers; the states and master copy are on disk
-            out["optimizer"] += self._nvme.memory_bytes()
-            out["nvme"] = self._nvme.offloaded_bytes
-        return out
-
-    def _identity(self) -> dict[str, Any]:
-        return {"zero_stage": self.stage, "world_size": self.world_size, "rank": self.rank, "precision": self.precision,
-                "shapes": [tuple(s.shape) for s in self.layout.slots], "bucket_size": self.layout.bucket_size}
-
-    def state_dict(self) -> dict[str, Any]:
-        """This rank's part: the optimizer's state over its shards, the float32 master copy (16-bit
-        models), the loss scaler (fp16), what it was laid out for, and at stage 3 this rank's shards of
-        the parameters (the model's own ``state_dict()`` holds empty tensors there)."""
-        self._refuse_with_nvme("state_dict")
-        state = {**self._identity(), "micro_step": self._micro_step, "optimizer": self.optimizer.state_dict(),
-                 "skipped_steps": self.skipped_steps}
-        if self.stage == 3:
-            state["partition"] = self._flat.clone()
-        if self._master is not None:
-            state["master"] = self._master.clone()
-        if self.scaler is not None:
-            state["loss_scaler"] = self.scaler.state_dict()
-        return state
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Load a `state_dict` saved by the same rank of the same layout (loading on another world
-        size or stage is the checkpoint issue's reshaping). Every rank calls it: with a master copy
-        the parameters are set from it and gathered (at stage 3, from the shards in the state)."""
-        self._refuse_with_nvme("load_state_dict")
-        for key, value in self._identity().items():
-            if key not in state:
-                raise ValueError(f"ZeroOptimizer.load_state_dict: the state has no {key!r}")
-            saved = [tuple(s) for s in state[key]] if key == "shapes" else state[key]
-            if saved != value:
-                raise ValueError(f"ZeroOptimizer.load_state_dict: saved with {key}={short(saved)}, this optimizer "
-                                 f"has {key}={short(value)}")
-        self.optimizer.load_state_dict(state["optimizer"])
-        self._next_reduction()
-        if self.stage == 3:
-            self._flat.copy_(state["partition"])
-        self._micro_step = int(state["micro_step"])
-        self.skipped_steps = int(state.get("skipped_steps", 0))
-        if self.scaler is not None:
-            self.scaler.load_state_dict(state["loss_scaler"])
-        if self._master is not None:
-            self._master.copy_(state["master"])
-            for copy, tensor in zip(self._copies, self._step_params, strict=True):
-                copy.copy_(tensor.detach())
-        if self._master is not None or self.stage == 3:
-            self._refresh_parameters()
 
     # ------------------------------------------------------------------------------------ internals
     def _refuse_with_nvme(self, what: str) -> None:
@@ -679,60 +594,3 @@ class ZeroOptimizer(Reduction):
         for work in works:
             work.wait()
 
-
-def _option_groups(param_groups: Any, model: nn.Module, params: list[nn.Parameter]
-                   ) -> tuple[list[int], list[dict[str, Any]] | None]:
-    """Each trainable parameter's group index and the groups' options (None: no groups given)."""
-    if param_groups is None:
-        return [0] * len(params), None
-    if isinstance(param_groups, dict) or not isinstance(param_groups, (list, tuple)) or \
-            not all(isinstance(g, dict) and "params" in g for g in param_groups):
-        raise ValueError("ZeroOptimizer: param_groups must be a list of dicts with 'params' (a torch optimizer's "
-                         f"parameter groups), got {short(param_groups)}")
-    where = {id(p): i for i, p in enumerate(params)}
-    group_of: list[int | None] = [None] * len(params)
-    options = []
-    for g, group in enumerate(param_groups):
-        members = [group["params"]] if torch.is_tensor(group["params"]) else list(group["params"])
-        for p in members:
-            i = where.get(id(p))
-            if i is None:
-                raise ValueError(f"ZeroOptimizer: param_groups[{g}] holds a tensor of shape {tuple(p.shape)} that is "
-                                 "not a trainable parameter of the model (ZeRO optimizes exactly the parameters "
-                                 "with requires_grad=True)")
-            if group_of[i] is not None:
-                raise ValueError(f"ZeroOptimizer: parameter {param_name(model, p)} is in param_groups[{group_of[i]}] "
-                                 f"and param_groups[{g}]; each parameter belongs to one group")
-            group_of[i] = g
-        options.append({k: v for k, v in group.items() if k != "params"})
-    missing = [param_name(model, p) for p, g in zip(params, group_of, strict=True) if g is None]
-    if missing:
-        raise ValueError(f"ZeroOptimizer: param_groups leave out {len(missing)} trainable parameters "
-                         f"({', '.join(missing[:5])}); put every parameter with requires_grad=True in a group, or "
-                         "freeze it with requires_grad_(False)")
-    return group_of, options  # type: ignore[return-value]
-
-
-def _step_runs(layout: FlatLayout, stage: int, rank: int, group_of: list[int]) -> list[tuple[int, int, int, int]]:
-    """The tensors the optimizer steps: each bucket's range this rank steps (the whole bucket at stage 0,
-    the rank's shard above), split where the parameters' group changes; (bucket, offset in the range,
-    length, group). Padding belongs to the run before it (a range of padding only, to the bucket's last
-    parameter's group)."""
-    runs = []
-    for bucket in layout.buckets:
-        start = bucket.offset if stage == 0 else bucket.offset + rank * bucket.shard
-        length = bucket.padded if stage == 0 else bucket.shard
-        cuts: list[list[int]] = []  # [offset, group]
-        for index in bucket.slots:
-            slot = layout.slots[index]
-            if slot.offset < start + length and slot.offset + slot.numel > start:
-                group = group_of[index]
-                if not cuts:
-                    cuts.append([0, group])
-                elif group != cuts[-1][1]:
-                    cuts.append([slot.offset - start, group])
-        if not cuts:
-            cuts = [[0, group_of[bucket.slots[-1]]]]
-        ends = [at for at, _ in cuts[1:]] + [length]
-        runs += [(bucket.index, at, end - at, group) for (at, group), end in zip(cuts, ends, strict=True)]
-    return runs
