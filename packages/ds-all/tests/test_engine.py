@@ -87,6 +87,16 @@ def test_the_engine_trains_exactly_as_ds_zero_direct(stage):
             assert same_as_ddp
 
 
+def _reference_step(twin, reference, schedule, step, world_size):
+    """The reference: the mean of every rank's gradients, stepped by torch alone."""
+    reference.zero_grad()
+    for r in range(world_size):
+        xr, yr = _batch(step, 0, r)
+        (nn.functional.mse_loss(twin(xr), yr) / world_size).backward()
+    reference.step()
+    schedule.step()
+
+
 def client_optimizer_and_schedule(rank, world_size, kind):
     model, twin = _model(), _model()
     client = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -107,13 +117,7 @@ def client_optimizer_and_schedule(rank, world_size, kind):
         engine.backward(nn.functional.mse_loss(engine(x), y))
         engine.step()
         lrs.append(engine.get_lr()[0])
-        # the reference: the mean of both ranks' gradients, stepped by torch alone
-        reference.zero_grad()
-        for r in range(world_size):
-            xr, yr = _batch(step, 0, r)
-            (nn.functional.mse_loss(twin(xr), yr) / world_size).backward()
-        reference.step()
-        ref_schedule.step()
+        _reference_step(twin, reference, ref_schedule, step, world_size)
     close = all(torch.allclose(a, b, atol=1e-6) for a, b in zip(model.parameters(), twin.parameters(), strict=True))
     engine.destroy()
     return lrs, close, type(scheduler).__name__
@@ -156,12 +160,7 @@ def groups_drive_zero(rank, world_size, kind):
         engine.backward(nn.functional.mse_loss(engine(x), y))
         engine.step()
         lrs.append(engine.get_lr())
-        reference.zero_grad()
-        for r in range(world_size):
-            xr, yr = _batch(step, 0, r)
-            (nn.functional.mse_loss(twin(xr), yr) / world_size).backward()
-        reference.step()
-        ref_schedule.step()
+        _reference_step(twin, reference, ref_schedule, step, world_size)
     decay = [g["weight_decay"] for g in engine.optimizer.param_groups]
     error = max((a - b).abs().max().item() for a, b in zip(model.parameters(), twin.parameters(), strict=True))
     engine.destroy()
