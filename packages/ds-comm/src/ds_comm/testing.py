@@ -10,8 +10,10 @@
     def test_sum():
         assert spawn(check_sum, world_size=2) == [1.0, 1.0]
 
-Ranks are fresh interpreters (``spawn``: forking a process that has run torch's OpenMP code can
-hang the child), each with ``init_distributed`` done on a free port. A rank that raises makes
+Ranks are forked from a server process that has imported torch and nothing else (multiprocessing's
+``forkserver``: forking a process that has run torch's OpenMP code can hang the child, and a fresh
+interpreter pays torch's import again, seconds a rank), each with the caller's environment as it is
+at the call and ``init_distributed`` done on a free port. A rank that raises makes
 ``spawn`` raise `RankFailed` with that rank's traceback, and so does a rank that reports but then
 exits with a non-zero code (an abort at exit) or does not exit within `EXIT_TIMEOUT_S`; ranks
 still running after ``timeout`` seconds are killed and `RankTimeout` names them, so a test never
@@ -38,6 +40,9 @@ from typing import Any
 import torch.multiprocessing as mp
 
 EXIT_TIMEOUT_S = 30.0  # how long ranks that reported may take to exit
+# What the fork server imports once, so that no rank imports it again: torch (and its distributed
+# package) is most of a rank's start-up; it runs no parallel region there, so forking it is safe.
+_PRELOAD = ["torch", "torch.distributed"]
 
 
 class RankFailed(RuntimeError):
@@ -83,11 +88,54 @@ class _FunctionRef:
         return getattr(module, self.qualname)
 
 
+def _context():
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(_PRELOAD)
+    return context
+
+
+def _received_fds(*fds) -> tuple[int, ...]:
+    return tuple(fd.detach() for fd in fds)
+
+
+class _CallerStdio:
+    """The caller's stdout and stderr as they are at the call (pytest's capfd swaps them per test):
+    sent to the rank with the process, whose own are the fork server's."""
+
+    def __reduce__(self):
+        from multiprocessing import reduction
+
+        return _received_fds, (reduction.DupFd(1), reduction.DupFd(2))
+
+
+def _shut_down_as_an_interpreter_does() -> None:
+    """A forked rank leaves by ``os._exit`` and skips what an interpreter's exit runs: waiting for
+    non-daemon threads and the ``atexit`` functions (an abort there must still fail the run)."""
+    import atexit
+    import threading
+
+    threading._shutdown()
+    atexit._run_exitfuncs()
+
+
 def _rank_main(rank: int, world_size: int, port: int, ref: _FunctionRef, args: tuple, kwargs: dict,
-               results, backend: str, env: dict[str, str], teardown: bool) -> None:
+               results, backend: str, environ: dict[str, str], env: dict[str, str], stdio: tuple[int, int],
+               teardown: bool) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(stdio[0], 1)
+    os.dup2(stdio[1], 2)
+    os.environ.clear()  # the caller's environment as it is now (the fork server kept the one it started with)
+    os.environ.update(environ)
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                        "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size),
                        **env})
+    # one intra-op thread a rank unless the caller says otherwise, as torchrun does: ranks with a thread
+    # per core each oversubscribe the cores 2-3x slower here (2 ranks x 2 threads on 2 cores)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     import faulthandler
 
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the harness asks a hung rank for its stacks
@@ -102,6 +150,9 @@ def _rank_main(rank: int, world_size: int, port: int, ref: _FunctionRef, args: t
     if teardown:
         ds_comm.destroy_process_group()
         results.put((rank, True, value))
+        results.close()
+        results.join_thread()  # the report is sent before anything at exit can go wrong
+        _shut_down_as_an_interpreter_does()
         return
     # no teardown (the test left the group unusable on purpose): report, then leave at once
     results.put((rank, True, value))
@@ -119,11 +170,12 @@ def spawn(fn: Callable, world_size: int = 2, args: tuple = (), kwargs: dict | No
     if world_size < 1:
         raise ValueError(f"spawn: world_size must be >= 1, got {world_size}")
     ref = _FunctionRef.of(fn)
-    context = mp.get_context("spawn")
+    context = _context()
     results = context.Queue()
     port = free_port()
     ranks = [context.Process(target=_rank_main, args=(r, world_size, port, ref, tuple(args), dict(kwargs or {}),
-                                                     results, backend, dict(env or {}), teardown), daemon=True)
+                                                     results, backend, dict(os.environ), dict(env or {}),
+                                                     _CallerStdio(), teardown), daemon=True)
              for r in range(world_size)]
     for process in ranks:
         process.start()
