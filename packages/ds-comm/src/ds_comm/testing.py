@@ -27,6 +27,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
+import pickle
 import queue
 import signal
 import socket
@@ -143,7 +144,9 @@ def _rank_main(rank: int, world_size: int, port: int, ref: _FunctionRef, args: t
 
     try:
         ds_comm.init_distributed(dist_backend=backend)
-        value = ref.load()(rank, world_size, *args, **kwargs)
+        # by value: torch's queue would share a tensor's storage through this process, gone by the time
+        # the caller reads it
+        value = pickle.dumps(ref.load()(rank, world_size, *args, **kwargs))
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
         return
@@ -198,7 +201,7 @@ def spawn(fn: Callable, world_size: int = 2, args: tuple = (), kwargs: dict | No
                 continue
             if not ok:
                 raise RankFailed(f"rank {rank} of {world_size} failed:\n{payload}")
-            values[rank] = payload
+            values[rank] = pickle.loads(payload)
         _check_exits(ranks)
     finally:
         for process in ranks:
