@@ -138,3 +138,41 @@ def test_a_transformers_model_trains_under_zero_as_in_a_plain_loop(kind, stage):
     for ours, plain in spawn(hf_model_under_zero, world_size=2, args=(kind, stage), timeout=240):
         assert ours == pytest.approx(plain, rel=1e-5, abs=1e-5)
         assert ours[2] < ours[0] and ours[3] < ours[1]  # each batch's loss falls
+
+
+def hf_checkpoint_under_zero_3(rank, world_size, path):
+    model = _model("gpt2")
+    config = {"train_micro_batch_size_per_gpu": MICRO, "zero_optimization": {"stage": 3},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}
+    engine, *_ = ds_all.initialize(model=model, config=config)
+    for step in range(3):
+        engine.backward(engine(**_inputs(step, rank)).loss)
+        engine.step()
+    engine.save_checkpoint(path)
+    with torch.no_grad():
+        logits = engine(input_ids=_inputs(5, 0)["input_ids"]).logits
+    engine.destroy()
+    return logits
+
+
+def test_a_transformers_model_round_trips_through_the_safetensors_export_into_from_pretrained(tmp_path, monkeypatch):
+    """GPT-2 (its LM head tied to the embedding) trained under ZeRO-3 on 2 ranks, exported by
+    ds-zero-to-fp32 --safetensors in shards with an index, loaded by from_pretrained: the same logits."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("safetensors")
+    import subprocess
+    import sys
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    logits = spawn(hf_checkpoint_under_zero_3, world_size=2, args=(str(tmp_path / "ck"),), timeout=240)[0]
+    out = tmp_path / "hf"
+    out.mkdir()
+    export = subprocess.run([sys.executable, "-m", "ds_zero._export", str(tmp_path / "ck"), str(out / "model.safetensors"),
+                             "--safetensors", "--max_shard_size", "40KB"], capture_output=True, text=True, timeout=120)
+    assert export.returncode == 0, export.stdout + export.stderr
+    assert (out / "model.safetensors.index.json").exists() and len(list(out.glob("model-*.safetensors"))) > 1
+    _model("gpt2").config.save_pretrained(out)
+    loaded = transformers.GPT2LMHeadModel.from_pretrained(out)
+    assert loaded.lm_head.weight is loaded.transformer.wte.weight  # tied again, as Hugging Face saves it
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=_inputs(5, 0)["input_ids"]).logits, logits)
