@@ -49,13 +49,14 @@ def _train(engine, batches, until: int) -> list[float]:
     return losses
 
 
-def first_run(rank, world_size, path, stage):
+def first_run(rank, world_size, path, stage, async_save=False):
     engine, _, loader, _ = ds_all.initialize(model=_model(), config=_config(stage), training_data=_data())
     batches = iter(loader)
     _train(engine, batches, SAVE_AT)
-    engine.save_checkpoint(path, client_state={"epoch": 3, "note": "hi", "ema": torch.arange(3.0)})
-    losses = _train(engine, batches, STEPS)  # the same pass goes on
-    engine.destroy()  # stage 3: the parameters whole again
+    engine.save_checkpoint(path, client_state={"epoch": 3, "note": "hi", "ema": torch.arange(3.0)},
+                           async_save=async_save)
+    losses = _train(engine, batches, STEPS)  # the same pass goes on (async: while the save is written)
+    engine.destroy()  # stage 3: the parameters whole again; an asynchronous save finished
     weights = [p.detach().clone().tolist() for p in engine.module.parameters()]
     return losses, weights
 
@@ -71,10 +72,11 @@ def resumed_run(rank, world_size, path, stage):
     return losses, weights, os.path.basename(loaded), {**client, "ema": client["ema"].tolist()}, lr
 
 
-@pytest.mark.parametrize("stage", [0, 2, 3])
-def test_a_resumed_run_continues_bit_for_bit(tmp_path, stage):
+@pytest.mark.parametrize("stage, async_save", [(0, False), (2, False), (3, False), (2, True)])
+def test_a_resumed_run_continues_bit_for_bit(tmp_path, stage, async_save):
+    """async_save: the checkpoint holds the state at the call, though training went on while it was written."""
     path = str(tmp_path / "ck")
-    first = spawn(first_run, world_size=2, args=(path, stage))
+    first = spawn(first_run, world_size=2, args=(path, stage, async_save))
     second = spawn(resumed_run, world_size=2, args=(path, stage))
     for (losses, weights), (resumed_losses, resumed_weights, tag, client, lr) in zip(first, second, strict=True):
         assert resumed_losses == losses and len(losses) == (STEPS - SAVE_AT) * 2
@@ -217,3 +219,43 @@ def test_exclude_frozen_parameters_and_load_module_strict(tmp_path):
     assert "load_module_strict=False" in out["strict"]
     assert out["non-strict shared"] and out["non-strict new kept"]
     assert out["trains"] == 4
+
+
+def async_save_that_fails(rank, world_size, path):
+    import ds_zero._storage as storage
+
+    engine, _, loader, _ = ds_all.initialize(model=_model(), config=_config(2), training_data=_data())
+    batches = iter(loader)
+    _train(engine, batches, 1)
+    engine.save_checkpoint(path, async_save=True)
+    engine.wait_checkpoint()
+    _train(engine, batches, 2)
+    write = storage.RawWriter.write_data
+
+    def disk_full(self, plan, planner):
+        if rank == 1:
+            raise OSError(28, "No space left on device")
+        return write(self, plan, planner)
+
+    storage.RawWriter.write_data = disk_full
+    engine.save_checkpoint(path, async_save=True)
+    _train(engine, batches, 3)  # training goes on; the failure shows at the wait
+    try:
+        engine.wait_checkpoint()
+        message = None
+    except RuntimeError as e:
+        message = str(e)
+    storage.RawWriter.write_data = write
+    loaded, _ = engine.load_checkpoint(path)
+    engine.destroy()
+    return message, os.path.basename(loaded)
+
+
+def test_a_failed_async_save_is_raised_at_the_wait_and_latest_keeps_the_previous_tag(tmp_path):
+    results = spawn(async_save_that_fails, world_size=2, args=(str(tmp_path / "ck"),))
+    for message, loaded in results:
+        assert message is not None and "failed in the background" in message, message
+        assert loaded == "global_step1"
+    assert "No space left on device" in results[0][0] + results[1][0]
+    assert (tmp_path / "ck" / "latest").read_text() == "global_step1"
+    assert not (tmp_path / "ck" / "global_step2").exists()

@@ -171,6 +171,9 @@ def test_state_dict_round_trip_resumes_exactly(stage):
      "reduce_in_backward=False means the caller accumulates the micro-steps and calls reduce_gradients() once per "
      "step; gradient_accumulation_steps must be 1, got 4"),
     ({"reduce_in_backward": False, "config": {"stage": 3}}, ValueError, "reduce_in_backward=False is for stages 0-2"),
+    ({"checkpoint_names": {"nope.weight": "x"}}, ValueError, "not parameters of the model: .'nope.weight'"),
+    ({"checkpoint_names": {"0.weight": "2.weight"}}, ValueError,
+     "checkpoint_names gives names another parameter has: .'2.weight'"),
     ({}, RuntimeError, "the process group is not initialised"),
 ])
 def test_bad_input_is_named_before_any_collective(kwargs, error, message):

@@ -6,7 +6,9 @@ A tag directory holds DCP's files (ZeRO's shards, each rank's random states, the
 ``zero_meta.json`` and ``engine_meta.json`` (counters, the schedule, the data loader's position, the
 client's plain values). It is written under a temporary name (``.<tag>.partial``), every file fsynced,
 then renamed into place; ``latest`` is replaced last, atomically. A save killed at any moment leaves
-the previous tag loadable and ``latest`` naming it; a partial tag is never loaded.
+the previous tag loadable and ``latest`` naming it; a partial tag is never loaded. ``async_save=True``
+copies what is written, returns, and writes in a background thread (the rename and ``latest`` there too,
+once every rank's files are written); the next save, a load or `wait_checkpoint` waits for it.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import json
 import logging
 import os
 import shutil
+import threading
+from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -100,41 +104,102 @@ def _rng_states() -> dict[str, torch.Tensor]:
 
 
 def save_checkpoint(engine: DeepSpeedEngine, save_dir: Any, tag: str | None = None, client_state: dict | None = None,
-                    save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
+                    save_latest: bool = True, exclude_frozen_parameters: bool = False,
+                    async_save: bool = False) -> bool:
     zero = engine._require_optimizer("save_checkpoint")
+    wait_checkpoint(engine)  # one save at a time
     tag = _check_tag(tag if tag is not None else f"global_step{engine.global_steps}")
     plain, tensors = _split_client_state(client_state or {})
     _validate_tag_across_ranks(engine, tag)
     root = Path(save_dir)
-    partial, final = root / f".{tag}.partial", root / tag
+    partial = root / f".{tag}.partial"
     if engine.global_rank == 0:
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(partial, ignore_errors=True)  # a save interrupted earlier
         partial.mkdir()
     ds_comm.barrier()
     extra = {**_rng_states(), **{f"client/{k}": v for k, v in tensors.items()}}
-    save_zero_checkpoint(zero, partial, extra=extra, exclude_frozen_parameters=exclude_frozen_parameters)
-    if engine.global_rank == 0:
+    group = _writer_group(engine) if async_save else None
+    written = save_zero_checkpoint(zero, partial, extra=extra, exclude_frozen_parameters=exclude_frozen_parameters,
+                                   async_group=group)
+    meta = None
+    if engine.global_rank == 0:  # what the run is at now (the write may finish steps later)
         meta = {"format": FORMAT, "tag": tag, "world_size": engine.world_size, "dp_world_size": engine.dp_world_size,
                 "global_steps": engine.global_steps, "global_samples": engine.global_samples,
                 "micro_steps": engine.micro_steps, "zero_stage": engine.zero_optimization_stage(),
                 "lr_scheduler": _scheduler_state(engine), "data_loader": engine._loader_state(),
                 "client_state": plain, "client_tensors": sorted(tensors)}
-        _write_atomic(partial / META_FILE, json.dumps(meta))
-        _fsync_dir(partial)
+    if written is not None:
+        engine._pending_save = _PendingSave(written, lambda: _complete(root, tag, meta, save_latest)
+                                            if engine.global_rank == 0 else None)
+        return True
     ds_comm.barrier()  # every rank's shards are written and fsynced (DCP's sync_files)
     if engine.global_rank == 0:
-        aside = root / f".{tag}.replaced"
-        if final.exists():
-            shutil.rmtree(aside, ignore_errors=True)
-            os.replace(final, aside)
-        os.replace(partial, final)
-        _fsync_dir(root)
-        shutil.rmtree(aside, ignore_errors=True)
-        if save_latest:
-            _write_atomic(root / LATEST, tag)
+        _complete(root, tag, meta, save_latest)
     ds_comm.barrier()
     return True
+
+
+def _complete(root: Path, tag: str, meta: dict[str, Any], save_latest: bool) -> None:
+    """Rank 0, once every rank's files are written: the engine's metadata, the rename into place,
+    then ``latest``."""
+    partial, final = root / f".{tag}.partial", root / tag
+    _write_atomic(partial / META_FILE, json.dumps(meta))
+    _fsync_dir(partial)
+    aside = root / f".{tag}.replaced"
+    if final.exists():
+        shutil.rmtree(aside, ignore_errors=True)
+        os.replace(final, aside)
+    os.replace(partial, final)
+    _fsync_dir(root)
+    shutil.rmtree(aside, ignore_errors=True)
+    if save_latest:
+        _write_atomic(root / LATEST, tag)
+
+
+def _writer_group(engine: DeepSpeedEngine) -> Any:
+    """A gloo group of every rank for the background writer's collectives (training's own must not
+    interleave with them); made once, by every rank at its first asynchronous save."""
+    if engine._writer_group is None:
+        engine._writer_group = torch.distributed.new_group(backend="gloo")
+    return engine._writer_group
+
+
+class _PendingSave:
+    """An asynchronous save: DCP's write in the background, then (rank 0) `_complete` in the same
+    thread; `wait` gives its error, if any, to the caller."""
+
+    def __init__(self, written: Future, then: Any) -> None:
+        self.done, self.error = threading.Event(), None
+        self._then = then
+        written.add_done_callback(self._finish)
+
+    def _finish(self, written: Future) -> None:
+        try:
+            written.result()
+            self._then()
+        except BaseException as e:  # handed to wait()
+            self.error = e
+        finally:
+            self.done.set()
+
+    def wait(self) -> None:
+        self.done.wait()
+        if self.error is not None:
+            raise RuntimeError(f"save_checkpoint(async_save=True) failed in the background: {self.error}") \
+                from self.error
+
+
+def wait_checkpoint(engine: DeepSpeedEngine) -> None:
+    """Wait for the asynchronous save in flight, if any (every rank calls it): afterwards its tag is in
+    place and ``latest`` names it. A failure in the background is raised here."""
+    pending, engine._pending_save = engine._pending_save, None
+    if pending is None:
+        return
+    try:
+        pending.wait()
+    finally:
+        ds_comm.barrier()  # rank 0's rename is done before any rank goes on
 
 
 def _scheduler_state(engine: DeepSpeedEngine) -> Any:
@@ -162,6 +227,7 @@ def load_checkpoint(engine: DeepSpeedEngine, load_dir: Any, tag: str | None = No
                     load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                     load_module_only: bool = False) -> tuple[str | None, dict | None]:
     zero = engine._require_optimizer("load_checkpoint")
+    wait_checkpoint(engine)
     root = Path(load_dir)
     tag = _resolve_tag(root, tag)
     if tag is None:

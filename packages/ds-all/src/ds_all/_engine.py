@@ -54,6 +54,8 @@ class DeepSpeedEngine(nn.Module):
         self.global_steps = self.global_samples = self.micro_steps = 0
         self.timers = Timers()
         self.zero: ZeroOptimizer | None = None
+        self._pending_save: Any = None  # an asynchronous save still writing
+        self._writer_group: Any = None  # the process group of its background collectives
         self.optimizer: Any = None
         one_bit = ONE_BIT.get(config.optimizer.type.lower()) if config.optimizer is not None else None
         if one_bit is not None and config.zero_optimization.stage != 0:
@@ -311,12 +313,20 @@ class DeepSpeedEngine(nn.Module):
 
     # ---------------------------------------------------------------------------- checkpoints
     def save_checkpoint(self, save_dir: Any, tag: str | None = None, client_state: dict | None = None,
-                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False,
+                        async_save: bool = False) -> bool:
         """Save everything this run needs to continue exactly under ``save_dir/tag`` (default
         ``global_step<N>``) and name it in ``save_dir/latest``; every rank calls it. Written under a
         temporary name and renamed into place: an interrupted save never replaces a complete one.
-        ``client_state``: JSON values and tensors, returned by `load_checkpoint`."""
-        return _checkpoint.save_checkpoint(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
+        ``client_state``: JSON values and tensors, returned by `load_checkpoint`. ``async_save``: copy
+        what is saved, return, and write in the background (`wait_checkpoint`)."""
+        return _checkpoint.save_checkpoint(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters,
+                                           async_save)
+
+    def wait_checkpoint(self) -> None:
+        """Wait for a ``save_checkpoint(..., async_save=True)`` still writing (every rank calls it; a
+        save, a load and `destroy` wait too). Its error, if it failed, is raised here."""
+        _checkpoint.wait_checkpoint(self)
 
     def load_checkpoint(self, load_dir: Any, tag: str | None = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
@@ -370,7 +380,11 @@ class DeepSpeedEngine(nn.Module):
         """Free what the engine holds: ZeRO's hooks and buffers, the monitors' files, the profiler,
         and the process group when `initialize` created it. The engine cannot train afterwards."""
         if self.zero is not None:
+            self.wait_checkpoint()
             self.zero.close()
+        if self._writer_group is not None:
+            torch.distributed.destroy_process_group(self._writer_group)
+            self._writer_group = None
         self.zero = self.optimizer = self.lr_scheduler = self.training_dataloader = None
         if self.flops_profiler is not None:
             self.flops_profiler.end_profile()

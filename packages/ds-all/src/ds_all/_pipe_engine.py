@@ -46,6 +46,7 @@ class PipelineEngine(DeepSpeedEngine):
         if stages != "auto" and stages != model.num_stages:
             raise ValueError(f"initialize: pipeline.stages is {stages} but the PipelineModule has {model.num_stages} "
                              "stages")
+        self._checkpoint_names = model.checkpoint_names()
         super().__init__(model=model, config=config, **kwargs)
         if self.zero is None:
             raise ValueError("initialize: a PipelineModule needs an optimizer (pass optimizer= or give the config an "
@@ -65,7 +66,9 @@ class PipelineEngine(DeepSpeedEngine):
     def _zero_options(self) -> dict[str, Any]:
         # the executor accumulates the micro-batches (some weight gradients arrive outside autograd:
         # zero-bubble), then asks ZeRO to reduce once, after the tied gradients are summed
-        return {"gradient_accumulation_steps": 1, "reduce_in_backward": False}
+        # and a tied module's untied parameters get names of their own stage in checkpoints
+        return {"gradient_accumulation_steps": 1, "reduce_in_backward": False,
+                "checkpoint_names": self._checkpoint_names}
 
     # -- the executor's hooks ---------------------------------------------------------------------
     def _backward(self, tensors: list[torch.Tensor], grads: list) -> None:
@@ -137,11 +140,3 @@ class PipelineEngine(DeepSpeedEngine):
 
     def step(self, *args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("PipelineEngine: train_batch() steps the optimizer; call engine.train_batch()")
-
-    def save_checkpoint(self, *args: Any, **kwargs: Any) -> bool:
-        raise NotImplementedError("PipelineEngine.save_checkpoint: checkpoints of pipeline stages are not built yet; "
-                                  "save each stage's module.state_dict() meanwhile")
-
-    def load_checkpoint(self, *args: Any, **kwargs: Any):
-        raise NotImplementedError("PipelineEngine.load_checkpoint: checkpoints of pipeline stages are not built yet; "
-                                  "load each stage's module.state_dict() meanwhile")

@@ -291,6 +291,24 @@ class PipelineModule(nn.Module):
                     weight.grad = torch.zeros_like(weight)
                 ds_comm.all_reduce(weight.grad, group=group)
 
+    def checkpoint_names(self) -> dict[str, str]:
+        """Names for checkpoints where a parameter's own would mean another tensor on another stage.
+        Layers are named by their index in the whole model, so a checkpoint maps onto any stage count;
+        a tied module's tied attributes are one tensor on every stage holding it, but its other
+        parameters are separate copies: beyond the stage holding the key's first layer they are named
+        after this stage's first layer of the key, ``tied_modules.<key>[<layer>].<name>``."""
+        out = {}
+        for key, module in self.tied_modules.items():
+            layers = [idx for idx, spec in enumerate(self._layer_specs)
+                      if isinstance(spec, TiedLayerSpec) and spec.key == key]
+            mine = min(idx for chunk in self._chunks for idx, _ in chunk if idx in layers)
+            if mine == layers[0]:
+                continue
+            tied = set(self.tied_weight_attrs[key])
+            out.update({f"tied_modules.{key}.{name}": f"tied_modules.{key}[{mine}].{name}"
+                        for name, _ in module.named_parameters() if name not in tied})
+        return out
+
     def get_tied_weights_and_groups(self) -> list[tuple[torch.Tensor, Any]]:
         return [(_attr(self.tied_modules[key], attr), group) for key, (group, _) in self._tie_groups.items()
                 for attr in self.tied_weight_attrs[key]]

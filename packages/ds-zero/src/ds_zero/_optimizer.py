@@ -32,6 +32,7 @@ parameters (`_precision`), others on float32 copies of the gradients. fp16 scale
 from __future__ import annotations
 
 import bisect
+import collections
 import logging
 import math
 import time
@@ -91,6 +92,20 @@ _NOT_YET = {
 }
 
 
+def _checked_renames(model: nn.Module, renames: dict[str, str] | None) -> dict[str, str]:
+    renames = dict(renames or {})
+    names = {name for name, _ in model.named_parameters()}
+    unknown = sorted(k for k in renames if k not in names)
+    if unknown or not all(isinstance(v, str) and v for v in renames.values()):
+        raise ValueError(f"ZeroOptimizer: checkpoint_names maps parameter names of the model to non-empty names; "
+                         f"got {renames!r}" + (f" (not parameters of the model: {unknown})" if unknown else ""))
+    final = collections.Counter(renames.get(name, name) for name in names)
+    clashes = sorted(name for name, count in final.items() if count > 1)
+    if clashes:
+        raise ValueError(f"ZeroOptimizer: checkpoint_names gives names another parameter has: {clashes}")
+    return renames
+
+
 class ZeroOptimizer(Reduction, State):
     """ZeRO stages 0-3 for ``model`` with ``optimizer`` (a class or a callable taking the list of
     tensors to optimize), in a plain loop::
@@ -115,18 +130,22 @@ class ZeroOptimizer(Reduction, State):
     torch optimizer takes them (``[{"params": decay, "weight_decay": 0.1}, {"params": no_decay,
     "weight_decay": 0.0}]``); ``optimizer`` is then called with the same groups over ZeRO's tensors
     (each bucket's stepped range split where the group changes), and the groups' options override
-    ``optimizer_kwargs``.
+    ``optimizer_kwargs``. ``checkpoint_names``: other names for some parameters in checkpoints
+    (``{name in the model: name in the checkpoint}``), where the model's own would mean another tensor
+    elsewhere (a pipeline stage's copy of a tied module's untied parameters).
     """
 
     def __init__(self, model: nn.Module, optimizer: type[torch.optim.Optimizer] | Callable = torch.optim.AdamW, *,
                  optimizer_kwargs: dict[str, Any] | None = None, config: Any = None, fp16: Any = None,
                  bf16: Any = None, gradient_clipping: float = 0.0, gradient_accumulation_steps: int = 1,
                  communication_data_type: Any = None, group: Any = None, aio: Any = None,
-                 reduce_in_backward: bool = True, param_groups: Any = None):
+                 reduce_in_backward: bool = True, param_groups: Any = None,
+                 checkpoint_names: dict[str, str] | None = None):
         if not isinstance(model, nn.Module):
             raise ValueError(f"ZeroOptimizer: model must be a torch.nn.Module, got {type(model).__name__}")
         if not callable(optimizer):
             raise ValueError(f"ZeroOptimizer: optimizer must be an optimizer class or a callable, got {optimizer!r}")
+        renames = _checked_renames(model, checkpoint_names)
         self.config = ZeroConfig.from_section_or_ds_config(config)
         fp16_config = FP16Config.from_section_or_ds_config(fp16)
         self.precision = mixed_precision(fp16_config, BF16Config.from_section_or_ds_config(bf16))
@@ -168,6 +187,7 @@ class ZeroOptimizer(Reduction, State):
         if not ds_comm.is_initialized():
             raise RuntimeError("ZeroOptimizer: the process group is not initialised; call ds_comm.init_distributed() first")
         self.model, self.group, self._params = model, group, params
+        self.checkpoint_names = renames
         self.stage = self.config.stage
         offload_device = self.config.offload_optimizer.device if self.config.offload_optimizer is not None else "none"
         self.offload = offload_device in ("cpu", "nvme")  # the optimizer steps on the CPU (ds_ops' Adam)
