@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -38,8 +39,16 @@ def cache(tmp_path):
     return tmp_path / "cache"
 
 
-def test_cold_build_then_warm_reuse(cache):
-    first = _python(LOAD, {"DS_OPS_CACHE": str(cache)})
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """A cache into which one process built the op cold (the tests below copy it instead of building again:
+    each build is 10-30 s of CI), and that process's output."""
+    cache = tmp_path_factory.mktemp("built") / "cache"
+    return cache, _python(LOAD, {"DS_OPS_CACHE": str(cache)})
+
+
+def test_cold_build_then_warm_reuse(built):
+    cache, first = built
     assert "building op cpu_adam" in first.stdout and "LOADED" in first.stdout
     (entry,) = [d for d in cache.iterdir() if d.is_dir()]
     assert entry.name.startswith("cpu_adam-")
@@ -50,8 +59,8 @@ def test_cold_build_then_warm_reuse(cache):
 
 
 @pytest.mark.parametrize("damage", ["truncate the module", "remove the stamp"])
-def test_a_corrupt_or_unfinished_entry_is_rebuilt(cache, damage):
-    _python(LOAD, {"DS_OPS_CACHE": str(cache)})
+def test_a_corrupt_or_unfinished_entry_is_rebuilt(built, cache, damage):
+    shutil.copytree(built[0], cache)
     (entry,) = [d for d in cache.iterdir() if d.is_dir()]
     if damage == "truncate the module":
         (library,) = entry.glob("ds_ops_cpu_adam*.so")
