@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import ds_all
-from ds_comm.testing import spawn
+from ds_comm.testing import RankFailed, spawn
 
 SAVE_AT, STEPS = 3, 6
 
@@ -259,3 +259,21 @@ def test_a_failed_async_save_is_raised_at_the_wait_and_latest_keeps_the_previous
     assert "No space left on device" in results[0][0] + results[1][0]
     assert (tmp_path / "ck" / "latest").read_text() == "global_step1"
     assert not (tmp_path / "ck" / "global_step2").exists()
+
+
+def node_local_storage(rank, world_size):
+    config = _config(1, checkpoint={"use_node_local_storage": True, "load_universal": True,
+                                    "parallel_write": {"pipeline_stage": True}})
+    engine, *_ = ds_all.initialize(model=_model(), config=config)  # one node: the storage is shared
+    engine.destroy()
+    return True
+
+
+def node_local_storage_on_two_nodes(rank, world_size):
+    ds_all.initialize(model=_model(), config=_config(1, checkpoint={"use_node_local_storage": True}))
+
+
+def test_node_local_storage_is_honoured_on_one_node_and_refused_across_nodes():
+    assert spawn(node_local_storage, world_size=2) == [True, True]
+    with pytest.raises(RankFailed, match="checkpoint.use_node_local_storage on 2 nodes is not implemented"):
+        spawn(node_local_storage_on_two_nodes, world_size=2, env={"LOCAL_WORLD_SIZE": "1"})

@@ -47,6 +47,12 @@ class DeepSpeedEngine(nn.Module):
         self._owns_process_group = owns_process_group
         self.world_size, self.global_rank = ds_comm.get_world_size(), ds_comm.get_rank()
         self.local_rank = ds_comm.get_local_rank()
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
+        if config.checkpoint.use_node_local_storage and local_world < self.world_size:
+            raise NotImplementedError(
+                f"checkpoint.use_node_local_storage on {self.world_size // max(local_world, 1)} nodes is not "
+                "implemented in ds-all: a checkpoint's shards and its metadata are written to one shared directory "
+                "(on one node, where every rank shares the storage, the key is honoured as it is)")
         self.data_parallel_group = mpu.get_data_parallel_group() if mpu is not None else None
         self.dp_world_size = ds_comm.get_world_size(self.data_parallel_group)
         self.mp_world_size = mpu.get_model_parallel_world_size() if mpu is not None else 1
