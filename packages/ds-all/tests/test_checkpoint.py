@@ -275,5 +275,5 @@ def node_local_storage_on_two_nodes(rank, world_size):
 
 def test_node_local_storage_is_honoured_on_one_node_and_refused_across_nodes():
     assert spawn(node_local_storage, world_size=2) == [True, True]
-    with pytest.raises(RankFailed, match="checkpoint.use_node_local_storage on 2 nodes is not implemented"):
+    with pytest.raises(RankFailed, match=r"checkpoint\.use_node_local_storage on 2 nodes is not implemented"):
         spawn(node_local_storage_on_two_nodes, world_size=2, env={"LOCAL_WORLD_SIZE": "1"})
