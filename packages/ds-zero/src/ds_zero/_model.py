@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from collections import Counter
 from typing import Any
 
 import torch
@@ -100,3 +101,19 @@ def forget_init_partition(p: torch.Tensor) -> None:
     for key in ("ds_init_shard", "ds_init_group", "ds_shape", "ds_numel"):
         if hasattr(p, key):
             delattr(p, key)
+
+
+def checked_renames(model: nn.Module, renames: dict[str, str] | None) -> dict[str, str]:
+    """``ZeroOptimizer(checkpoint_names=)``: names of the model's parameters to other, non-empty names that
+    leave every parameter's name in checkpoints its own."""
+    renames = dict(renames or {})
+    names = {name for name, _ in model.named_parameters()}
+    unknown = sorted(k for k in renames if k not in names)
+    if unknown or not all(isinstance(v, str) and v for v in renames.values()):
+        raise ValueError(f"ZeroOptimizer: checkpoint_names maps parameter names of the model to non-empty names; "
+                         f"got {renames!r}" + (f" (not parameters of the model: {unknown})" if unknown else ""))
+    final = Counter(renames.get(name, name) for name in names)
+    clashes = sorted(name for name, count in final.items() if count > 1)
+    if clashes:
+        raise ValueError(f"ZeroOptimizer: checkpoint_names gives names another parameter has: {clashes}")
+    return renames

@@ -32,7 +32,6 @@ parameters (`_precision`), others on float32 copies of the gradients. fp16 scale
 from __future__ import annotations
 
 import bisect
-import collections
 import logging
 import math
 import time
@@ -49,6 +48,7 @@ from ._layout import FlatLayout
 from ._model import (
     broadcast_from_first_rank,
     check_same_model,
+    checked_renames,
     forget_init_partition,
     full_shape,
     gather_init_partitioned,
@@ -92,20 +92,6 @@ _NOT_YET = {
 }
 
 
-def _checked_renames(model: nn.Module, renames: dict[str, str] | None) -> dict[str, str]:
-    renames = dict(renames or {})
-    names = {name for name, _ in model.named_parameters()}
-    unknown = sorted(k for k in renames if k not in names)
-    if unknown or not all(isinstance(v, str) and v for v in renames.values()):
-        raise ValueError(f"ZeroOptimizer: checkpoint_names maps parameter names of the model to non-empty names; "
-                         f"got {renames!r}" + (f" (not parameters of the model: {unknown})" if unknown else ""))
-    final = collections.Counter(renames.get(name, name) for name in names)
-    clashes = sorted(name for name, count in final.items() if count > 1)
-    if clashes:
-        raise ValueError(f"ZeroOptimizer: checkpoint_names gives names another parameter has: {clashes}")
-    return renames
-
-
 class ZeroOptimizer(Reduction, State):
     """ZeRO stages 0-3 for ``model`` with ``optimizer`` (a class or a callable taking the list of
     tensors to optimize), in a plain loop::
@@ -145,7 +131,7 @@ class ZeroOptimizer(Reduction, State):
             raise ValueError(f"ZeroOptimizer: model must be a torch.nn.Module, got {type(model).__name__}")
         if not callable(optimizer):
             raise ValueError(f"ZeroOptimizer: optimizer must be an optimizer class or a callable, got {optimizer!r}")
-        renames = _checked_renames(model, checkpoint_names)
+        renames = checked_renames(model, checkpoint_names)
         self.config = ZeroConfig.from_section_or_ds_config(config)
         fp16_config = FP16Config.from_section_or_ds_config(fp16)
         self.precision = mixed_precision(fp16_config, BF16Config.from_section_or_ds_config(bf16))
