@@ -111,16 +111,16 @@ class GatedHandle:
         self.pending: list[GatedOp] = []
         self.tensors: list[torch.Tensor] = []
 
-    def _start(self, write, tensor, path, offset=0, rename_to=None):
+    def _start(self, write, tensor, path, offset=0, rename_to=None, keep_size=False):
         self.tensors.append(tensor)
-        op = GatedOp((write, tensor, path, offset, rename_to))
+        op = GatedOp((write, tensor, path, offset, rename_to, keep_size))
         self.pending.append(op)
         return op
 
     def release(self):
         for op in self.pending:
-            write, tensor, path, offset, rename_to = op.args
-            op.real = self.handle._start(write, tensor, path, offset, rename_to=rename_to)
+            write, tensor, path, offset, rename_to, keep_size = op.args
+            op.real = self.handle._start(write, tensor, path, offset, rename_to=rename_to, keep_size=keep_size)
         self.pending = []
 
     def _log_notes(self):
@@ -357,3 +357,36 @@ def test_swap_dir_is_created_and_use_gds_is_checked(tmp_path):
         with pytest.raises(RuntimeError, match=r"aio\.use_gds is true, but NVIDIA GPUDirect Storage is not available"):
             TensorSwapper(tmp_path, {"use_gds": True})
     assert os.listdir(tmp_path) == ["a"]
+
+
+def test_allocate_makes_a_key_filled_piece_by_piece(tmp_path):
+    """A key larger than any tensor in memory: reserved, then written at offsets (the first piece at
+    offset 0 too: in place, the file keeps its size), read back whole and in pieces."""
+    n, piece = 3 * 4096 + 10, 4096
+    values = torch.arange(n, dtype=torch.float32)
+    with TensorSwapper(tmp_path, {"block_size": 8192}) as swapper:
+        swapper.allocate("big", (n,), torch.float32)
+        assert swapper.path_of("big").stat().st_size == 4 * n
+        assert torch.equal(swapper.swap_in(["big"]).wait()[0], torch.zeros(n))  # not written: zeros
+        for start in range(0, n, piece):
+            swapper.swap_out([values[start:start + piece].clone()], keys=["big"], offset=4 * start).wait()
+            assert swapper.path_of("big").stat().st_size == 4 * n
+        assert torch.equal(swapper.swap_in(["big"]).wait()[0], values)
+        part = torch.empty(100)
+        swapper.swap_in(["big"], out=[part], offset=4 * 5000).wait()
+        assert torch.equal(part, values[5000:5100])
+        with pytest.raises(ValueError, match="allocate: key 'big' exists already"):
+            swapper.allocate("big", (1,), torch.float32)
+        swapper.release(["big"])
+        assert not any(tmp_path.iterdir())
+
+
+def test_allocate_on_a_full_disk_names_the_bytes_and_the_path(tmp_path, monkeypatch):
+    def full(fd, offset, length):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with TensorSwapper(tmp_path) as swapper:
+        with pytest.raises(OSError, match=r"cannot reserve 400 bytes for key 'k' in '.*': No space left on device"):
+            swapper.allocate("k", (100,), torch.float32)
+        assert not any(tmp_path.iterdir()) and swapper.keys() == []

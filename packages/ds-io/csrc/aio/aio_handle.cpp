@@ -268,7 +268,7 @@ int64_t AioHandle::pending() const {
 
 std::shared_ptr<Operation> AioHandle::start(bool write, uintptr_t ptr, int64_t nbytes, const std::string& path,
                                             int64_t file_offset, bool direct, bool track,
-                                            const std::string& rename_to, bool defer_open) {
+                                            const std::string& rename_to, bool defer_open, bool keep_size) {
   if (!write && !rename_to.empty()) throw std::invalid_argument("rename_to applies to writes only");
   if (nbytes < 0 || file_offset < 0)
     throw std::invalid_argument("'" + path + "': size and file offset must be >= 0, got size " + std::to_string(nbytes) +
@@ -282,6 +282,7 @@ std::shared_ptr<Operation> AioHandle::start(bool write, uintptr_t ptr, int64_t n
   op->track = track;
   op->rename_to = rename_to;
   op->want_direct = direct;
+  op->keep_size = keep_size;
   if (!defer_open) open_op(*op);  // errors reach the caller now
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -354,7 +355,7 @@ void AioHandle::open_op(Operation& op) {
     throw IoError("'" + path + "' is " + std::to_string(st.st_size) + " bytes, too short to read " +
                   std::to_string(nbytes) + " bytes at offset " + std::to_string(file_offset));
   }
-  op.truncate = write && file_offset == 0 && st.st_size > nbytes;
+  op.truncate = write && !op.keep_size && file_offset == 0 && st.st_size > nbytes;
 }
 
 // Splits an opened operation into at most threads_ contiguous ranges of whole pieces and queues
@@ -378,13 +379,13 @@ void AioHandle::enqueue_tasks_locked(const std::shared_ptr<Operation>& op, bool 
 
 std::shared_ptr<Operation> AioHandle::submit(bool write, uintptr_t ptr, int64_t nbytes, const std::string& path,
                                              int64_t file_offset, bool direct, bool track,
-                                             const std::string& rename_to, bool defer_open) {
-  return start(write, ptr, nbytes, path, file_offset, direct, track, rename_to, defer_open);
+                                             const std::string& rename_to, bool defer_open, bool keep_size) {
+  return start(write, ptr, nbytes, path, file_offset, direct, track, rename_to, defer_open, keep_size);
 }
 
 void AioHandle::run(bool write, uintptr_t ptr, int64_t nbytes, const std::string& path, int64_t file_offset,
                     bool direct) {
-  start(write, ptr, nbytes, path, file_offset, direct, false, "", false)->wait_done();
+  start(write, ptr, nbytes, path, file_offset, direct, false, "", false, false)->wait_done();
 }
 
 int64_t AioHandle::wait() {

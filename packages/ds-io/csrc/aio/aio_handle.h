@@ -57,6 +57,7 @@ struct Operation {
   bool direct = false;     // the body [0, tail_begin) moves through fd_direct
   int64_t tail_begin = 0;  // bytes from here on move through fd_buffered
   bool truncate = false;   // a write at offset 0 makes the file exactly nbytes long
+  bool keep_size = false;  // ...unless asked not to (a write in place inside a larger file)
   bool track = false;
   int fd_direct = -1;
   int fd_buffered = -1;
@@ -102,10 +103,11 @@ class AioHandle {
   // `track` counts it in wait()/pending(); `rename_to` (writes only, may be empty) see above.
   // `defer_open`: the files are opened by a worker when the operation's turn comes (so that any
   // number of queued operations hold no file descriptors; open errors then end the operation)
-  // instead of now (errors thrown here).
+  // instead of now (errors thrown here). `keep_size`: a write at offset 0 leaves a longer file
+  // as long as it was (by default it is truncated to the bytes written, DeepSpeed's pwrite).
   std::shared_ptr<Operation> submit(bool write, uintptr_t ptr, int64_t nbytes, const std::string& path,
                                     int64_t file_offset, bool direct, bool track, const std::string& rename_to,
-                                    bool defer_open);
+                                    bool defer_open, bool keep_size = false);
   // Runs an operation to completion on the pool; throws std::runtime_error naming path/offset/size.
   void run(bool write, uintptr_t ptr, int64_t nbytes, const std::string& path, int64_t file_offset, bool direct);
   // Waits for every tracked operation; returns how many completed; throws the errors, if any.
@@ -127,7 +129,7 @@ class AioHandle {
  private:
   std::shared_ptr<Operation> start(bool write, uintptr_t ptr, int64_t nbytes, const std::string& path,
                                    int64_t file_offset, bool direct, bool track, const std::string& rename_to,
-                                   bool defer_open);
+                                   bool defer_open, bool keep_size);
   void open_op(Operation& op);  // throws IoError naming the path; closes what it opened
   static void close_fds(Operation& op);
   void enqueue_tasks_locked(const std::shared_ptr<Operation>& op, bool front);

@@ -37,7 +37,7 @@ PYBIND11_MODULE(DS_OP_MODULE, m) {
            py::arg("use_libaio"))
       .def("submit", &AioHandle::submit, py::arg("write"), py::arg("ptr"), py::arg("nbytes"), py::arg("path"),
            py::arg("file_offset"), py::arg("direct"), py::arg("track"), py::arg("rename_to") = std::string(),
-           py::arg("defer_open") = false, nogil)
+           py::arg("defer_open") = false, py::arg("keep_size") = false, nogil)
       .def("run", &AioHandle::run, nogil)
       .def("wait", &AioHandle::wait, nogil)
       .def("pending", &AioHandle::pending)

@@ -263,7 +263,7 @@ class AsyncIOHandle:
         return path, nbytes
 
     def _start(self, write: bool, tensor: torch.Tensor, path: PathLike, file_offset: int = 0,
-               rename_to: PathLike | None = None):
+               rename_to: PathLike | None = None, keep_size: bool = False):
         """Queue one operation on a contiguous CPU tensor and return the native operation (its own
         ``done()``/``wait()``); not counted by ``wait()``/``pending()``. Its files are opened when
         a worker reaches it (queued operations hold no file descriptors), so errors, opening ones
@@ -271,14 +271,15 @@ class AsyncIOHandle:
         ``rename_to``: a write's file takes this name once all its bytes are written (never when
         it fails); a file that had that name takes ``path`` instead of being removed (an atomic
         exchange; a plain rename where the filesystem cannot exchange), for the caller to write
-        into again or remove."""
+        into again or remove. ``keep_size``: a write at offset 0 leaves a longer file as long as
+        it was (``pwrite`` truncates it to the bytes written, as DeepSpeed's does)."""
         verb = "pwrite" if write else "pread"
         path, nbytes = self._check_io(verb, write, tensor, path, file_offset)
         if tensor.device.type != "cpu":
             raise ValueError(f"{verb}('{path}'): expected a CPU tensor, got one on {tensor.device}")
         direct = self._direct and (write or not self._buffered_reads)
         return self._handle.submit(write, tensor.data_ptr(), nbytes, path, file_offset, direct, False,
-                                   os.fspath(rename_to) if rename_to is not None else "", True)
+                                   os.fspath(rename_to) if rename_to is not None else "", True, keep_size)
 
     def _host_view(self, write: bool, tensor: torch.Tensor, path: str, verb: str):
         """The CPU tensor the op works on, and what to do after a read completes (CUDA copy)."""

@@ -7,6 +7,7 @@
     w.wait(); r.wait()                                                   # each request on its own
     swapper.swap_in(["sub0.fp32"], out=[half], offset=4096).wait()        # a byte range of a key
     swapper.release(["sub0.fp32", "sub0.exp_avg"])                        # their files are removed
+    swapper.allocate("big", (n,), torch.float32)  # a key filled piece by piece with swap_out(offset=)
 
 I/O goes straight from and into the caller's tensors (contiguous, on the CPU; page-locked ones
 from ``aio_handle.new_cpu_locked_tensor`` or ``pin_memory`` are best): no staging copy, no
@@ -238,6 +239,31 @@ class TensorSwapper:
         if errors:
             raise OSError("swapper: " + "; ".join(errors))
 
+    def allocate(self, key: Any, shape: Sequence[int], dtype: torch.dtype) -> None:
+        """Create ``key``'s file with room for a tensor of ``shape`` and ``dtype`` (its blocks reserved:
+        a full disk is an error now, naming the path and the bytes), without any tensor in memory:
+        ``swap_out(..., offset=)`` then fills it piece by piece (a key larger than RAM). Reading
+        bytes not written yet gives zeros. The key must be new."""
+        _hashable(key)
+        if key in self._entries or self._spans.get(key):
+            raise ValueError(f"allocate: key {key!r} exists already; release it first")
+        shape = tuple(int(n) for n in shape)
+        if any(n < 0 for n in shape):
+            raise ValueError(f"allocate: key {key!r}: the shape must have sizes >= 0, got {shape}")
+        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        path = self._file_for(key)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        try:
+            if nbytes:
+                os.posix_fallocate(fd, 0, nbytes)
+        except OSError as e:
+            os.close(fd)
+            path.unlink(missing_ok=True)
+            raise OSError(e.errno, f"allocate: cannot reserve {nbytes} bytes for key {key!r} in '{path}': "
+                          f"{e.strerror}") from None
+        os.close(fd)
+        self._entries[key] = _Entry(shape, dtype, nbytes, path)
+
     def release(self, keys: Sequence[Any]) -> None:
         """Forget the keys and remove their files (no request may be using them)."""
         self._reap()
@@ -334,7 +360,7 @@ class TensorSwapper:
         span = _Span(offset, offset + nbytes, write, whole, request)
         flat = tensor.reshape(-1)
         try:
-            op = self._handle._start(write, flat, path, offset, rename_to=rename_to)
+            op = self._handle._start(write, flat, path, offset, rename_to=rename_to, keep_size=not whole)
         except OSError as e:  # could not even start (e.g. the swap directory vanished)
             request._errors.append(f"key {key!r}: {e}")
             if on_end is not None:
