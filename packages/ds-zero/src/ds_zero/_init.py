@@ -3,7 +3,9 @@
 Under `Init`, every module built is partitioned as its constructor returns: each of its parameters is
 broadcast from rank 0 (so every rank starts from the same values, as DDP does), flattened, padded to a
 multiple of the world size, and only this rank's slice is kept. So the whole model never exists on
-one rank: at most its slices plus the one module being built. `ZeroOptimizer` at stage 3 takes such
+one rank: at most its slices plus the one module being built. With ``remote_device="nvme"`` the
+slices go to files under ``offload_param.nvme_path`` as they are made, so RAM holds only the module
+being built (a model whose 1/N does not fit either). `ZeroOptimizer` at stage 3 takes such
 a model as it is (it gathers one unit at a time to lay out its partitions); below stage 3 it makes
 the parameters whole first.
 """
@@ -13,7 +15,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import os
+import shutil
 import threading
+import uuid
+import weakref
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -22,11 +28,13 @@ import torch
 from torch import nn
 
 import ds_comm
+from ds_io import AioConfig, TensorSwapper
 
-from ._model import gather_init_partitioned, is_init_partitioned
+from ._model import gather_init_partitioned, init_shard, is_init_partitioned
+from ._nvme import check_nvme_path
 from ._precision import DTYPES
 from ._stage3 import EXTERNAL, units_of
-from .config import BF16Config, FP16Config, mixed_precision
+from .config import BF16Config, FP16Config, ZeroConfig, mixed_precision
 
 _lock = threading.Lock()
 _active: list[Init] = []  # the Init contexts entered, innermost last
@@ -43,10 +51,12 @@ class Init:
 
     DeepSpeed's arguments: ``module`` (an already built model to partition now), ``data_parallel_group``,
     ``mem_efficient_linear`` (accepted: stage 3 keeps no whole weight for any layer's backward, linear
-    or not), ``remote_device`` (None or "cpu": parameters live in CPU memory here; "nvme" is refused
-    until ZeRO-Infinity lands), ``pin_memory`` (no effect without CUDA), ``config_dict_or_path`` (or
-    ``config``: the DeepSpeed config, for its fp16/bf16 sections), ``enabled``, ``dtype`` (the
-    parameters' dtype; default: bf16/fp16 from the config, else as built).
+    or not), ``remote_device`` ("cpu": the slices in CPU memory; "nvme": in files under the config's
+    ``zero_optimization.offload_param.nvme_path``, through ds-io with the config's ``aio`` section;
+    default: the config's ``offload_param.device``, else "cpu"), ``pin_memory`` (no effect without
+    CUDA), ``config_dict_or_path`` (or ``config``: the DeepSpeed config, for its fp16/bf16, offload_param
+    and aio sections), ``enabled``, ``dtype`` (the parameters' dtype; default: bf16/fp16 from the
+    config, else as built).
     """
 
     def __init__(self, module: nn.Module | None = None, data_parallel_group: Any = None,
@@ -61,21 +71,34 @@ class Init:
         for key in ("zero_quantized_weights", "zero_quantized_nontrainable_weights"):
             if ignored.get(key):
                 raise NotImplementedError(f"ds_zero.Init: {key} (ZeRO++) is not implemented in ds-zero")
-        if remote_device not in (None, "cpu", "none"):
-            raise NotImplementedError(f"ds_zero.Init: remote_device {remote_device!r}: parameters on NVMe "
-                                      "(ZeRO-Infinity) are not implemented yet in ds-zero; use None or 'cpu'")
+        if remote_device not in (None, "cpu", "none", "nvme"):
+            raise ValueError(f"ds_zero.Init: remote_device must be None, 'cpu' or 'nvme', got {remote_device!r} "
+                             "(ds-zero trains CPU models: no accelerator device)")
         if config is not None and config_dict_or_path is not None:
             raise ValueError("ds_zero.Init: give config_dict_or_path or config (its old name), not both")
+        ds_config = _load(config_dict_or_path if config_dict_or_path is not None else config)
         self.enabled = bool(enabled)
         self.group = data_parallel_group if data_parallel_group is not None else (
             mpu.get_data_parallel_group() if mpu is not None else None)
-        self.dtype = dtype if dtype is not None else _config_dtype(config_dict_or_path or config)
+        self.dtype = dtype if dtype is not None else _config_dtype(ds_config)
         if self.dtype is not None and not self.dtype.is_floating_point:
             raise ValueError(f"ds_zero.Init: dtype must be a floating-point dtype, got {self.dtype}")
         self.mem_efficient_linear = mem_efficient_linear
         if self.enabled and not ds_comm.is_initialized():
             raise RuntimeError("ds_zero.Init: the process group is not initialised; call ds_comm.init_distributed() "
                                "first")
+        offload = ZeroConfig.from_section_or_ds_config(ds_config).offload_param if ds_config is not None else None
+        if remote_device is None:
+            remote_device = offload.device if offload is not None and offload.device == "nvme" else "cpu"
+        self.remote_device = "cpu" if remote_device == "none" else remote_device
+        self._store = None  # _NvmeShards: where the slices go with remote_device "nvme"
+        if self.remote_device == "nvme" and self.enabled:
+            if offload is None or not offload.nvme_path:
+                raise ValueError("ds_zero.Init: remote_device 'nvme' writes the parameters' slices under the config's "
+                                 "zero_optimization.offload_param.nvme_path; give config_dict_or_path with "
+                                 "offload_param: {device: nvme, nvme_path: ...}")
+            self._store = _NvmeShards(offload.nvme_path, AioConfig.from_section_or_ds_config(ds_config),
+                                      ds_comm.get_rank())
         if module is not None and self.enabled:
             for sub in module.modules():
                 self._partition(sub)
@@ -116,10 +139,56 @@ class Init:
             mine[:hi - lo].copy_(flat[lo:hi])
             p.ds_shape, p.ds_numel = data.shape, data.numel()
             p.ds_init_group, p.ds_init_shard = self.group, True
-            p.data = mine
+            if self._store is not None:
+                self._store.put(p, mine)
+            else:
+                p.data = mine
 
 
-def _config_dtype(config: Any) -> torch.dtype | None:
+class _NvmeShards:
+    """``Init(remote_device="nvme")``: each parameter's slice in a file of its own, from when it is
+    built until `ZeroOptimizer` lays the slices out in its partition file (each file is removed
+    then). The directory goes when this object does (or at exit)."""
+
+    def __init__(self, nvme_path: str, aio: AioConfig, rank: int):
+        self.root = check_nvme_path(nvme_path, 0, "ds_zero.Init(remote_device='nvme')")
+        self.directory = self.root / f"ds_zero_init_rank{rank}_{os.getpid()}_{uuid.uuid4().hex[:8]}"
+        self.swapper = TensorSwapper(self.directory, aio)
+        self._finalizer = weakref.finalize(self, _remove, self.swapper, self.directory)
+        self._keys = 0
+        self.bytes = 0  # on disk now
+
+    def put(self, p: torch.Tensor, shard: torch.Tensor) -> None:
+        free = shutil.disk_usage(self.root).free
+        if free < shard.nbytes:
+            raise OSError(f"nvme_path '{self.root}' has {free} bytes free; ds_zero.Init(remote_device='nvme') needs "
+                          f"{shard.nbytes} bytes more for a slice of a {tuple(p.ds_shape)} parameter: free space or "
+                          "point offload_param.nvme_path elsewhere")
+        key, self._keys = self._keys, self._keys + 1
+        self.swapper.swap_out([shard], keys=[key]).wait()
+        self.bytes += shard.nbytes
+        p.ds_init_store, p.ds_init_key = self, key
+        p.data = torch.empty(0, dtype=shard.dtype)
+
+    def read(self, p: torch.Tensor) -> torch.Tensor:
+        return self.swapper.swap_in([p.ds_init_key]).wait()[0]
+
+    def write(self, p: torch.Tensor, shard: torch.Tensor) -> None:
+        self.swapper.swap_out([shard.contiguous()], keys=[p.ds_init_key], offset=0).wait()
+
+    def release(self, p: torch.Tensor) -> None:
+        self.bytes -= self.swapper.path_of(p.ds_init_key).stat().st_size
+        self.swapper.release([p.ds_init_key])
+
+
+def _remove(swapper: TensorSwapper, directory: Path) -> None:
+    try:
+        swapper.close()
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def _load(config: Any) -> dict | None:
     if config is None:
         return None
     if isinstance(config, (str, Path)):
@@ -127,6 +196,12 @@ def _config_dtype(config: Any) -> torch.dtype | None:
     if not isinstance(config, dict):
         raise ValueError(f"ds_zero.Init: config_dict_or_path must be a dict or a JSON file's path, got "
                          f"{type(config).__name__}")
+    return config
+
+
+def _config_dtype(config: dict | None) -> torch.dtype | None:
+    if config is None:
+        return None
     precision = mixed_precision(FP16Config.from_section_or_ds_config(config),
                                 BF16Config.from_section_or_ds_config(config))
     return None if precision == "fp32" else DTYPES[precision]
@@ -203,7 +278,7 @@ def GatheredParameters(params: nn.Parameter | Iterable[nn.Parameter], modifier_r
         for unit in units:
             stage3.hold(unit)
     for p in init_params:
-        shards[p] = p.data
+        shards[p] = init_shard(p)
         p.data = gather_init_partitioned(p).clone()
     try:
         yield
@@ -220,7 +295,13 @@ def GatheredParameters(params: nn.Parameter | Iterable[nn.Parameter], modifier_r
                 rank = ds_comm.get_rank(group)
                 lo, hi = min(rank * shard.numel(), flat.numel()), min((rank + 1) * shard.numel(), flat.numel())
                 shard[:hi - lo].copy_(flat[lo:hi])
-            p.data = shards[p]
+            store = getattr(p, "ds_init_store", None)
+            if store is None:
+                p.data = shards[p]
+            else:  # the slice stays on NVMe
+                if modifier_rank is not None:
+                    store.write(p, shards[p])
+                p.data = torch.empty(0, dtype=p.dtype)
 
 
 def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:

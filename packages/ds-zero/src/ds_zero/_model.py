@@ -82,12 +82,19 @@ def full_shape(p: torch.Tensor) -> torch.Size:
     return p.ds_shape if hasattr(p, "ds_shape") and (is_init_partitioned(p) or hasattr(p, "_ds_stage3")) else p.shape
 
 
+def init_shard(p: torch.Tensor) -> torch.Tensor:
+    """The slice `Init` kept of ``p``: in memory, or read back from NVMe (``remote_device="nvme"``)."""
+    store = getattr(p, "ds_init_store", None)
+    return p.data if store is None else store.read(p)
+
+
 def gather_init_partitioned(p: torch.Tensor, group: Any = None) -> torch.Tensor:
     """The whole value of a parameter `Init` partitioned (a collective over its group)."""
     group = getattr(p, "ds_init_group", group)
     world = ds_comm.get_world_size(group)
-    full = torch.empty(p.data.numel() * world, dtype=p.dtype)
-    ds_comm.all_gather_bucket(full, p.data.reshape(-1), group=group)
+    shard = init_shard(p).reshape(-1)
+    full = torch.empty(shard.numel() * world, dtype=p.dtype)
+    ds_comm.all_gather_bucket(full, shard, group=group)
     return full[:p.ds_numel].view(p.ds_shape)
 
 
@@ -98,7 +105,10 @@ def unpartition(p: torch.Tensor) -> None:
 
 
 def forget_init_partition(p: torch.Tensor) -> None:
-    for key in ("ds_init_shard", "ds_init_group", "ds_shape", "ds_numel"):
+    store = getattr(p, "ds_init_store", None)
+    if store is not None:  # its slice's file on NVMe
+        store.release(p)
+    for key in ("ds_init_shard", "ds_init_group", "ds_shape", "ds_numel", "ds_init_store", "ds_init_key"):
         if hasattr(p, key):
             delattr(p, key)
 

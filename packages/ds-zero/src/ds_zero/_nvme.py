@@ -26,9 +26,6 @@ from ds_io import AioConfig, TensorSwapper
 
 STATES = ("exp_avg", "exp_avg_sq")
 PARAMS = "params"  # the key of the whole parameter partition, when the parameters are on NVMe too
-# The partition starts this many bytes into its file: ds-io's handle truncates a file written at offset 0
-# to the bytes written (DeepSpeed's pwrite), which a write of the first chunk in place must not do.
-HEADER = 4096
 
 
 def check_nvme_path(path: str | os.PathLike, needed: int, what: str) -> Path:
@@ -77,20 +74,28 @@ class NvmeOptimizer:
             for buffers in self._buffers:
                 buffers["param"] = torch.zeros(largest, dtype=param_dtype)
         self._writes: list[Any] = [None] * sets
-        self.bytes_read = self.bytes_written = 0
+        self.bytes_read = self.bytes_written = 0  # by the optimizer's steps
+        self.fetch_bytes_read = 0  # parameter shards read for stage 3's gathers
+        if param_dtype is not None:  # filled by `write_params` (or `initialize`) piece by piece
+            self.swapper.allocate(PARAMS, (numel,), param_dtype)
 
-    def initialize(self, partition: torch.Tensor) -> None:
-        """Zero states and (``master``) the float32 value of ``partition`` into every chunk's files;
-        with the parameters on NVMe, ``partition`` itself into its file (the caller may free it then)."""
-        if self.param_dtype is not None:
-            header = torch.zeros(HEADER // self._param_size, dtype=self.param_dtype)
-            self.swapper.swap_out([torch.cat([header, partition])], keys=[PARAMS]).wait()
+    def initialize(self, partition: torch.Tensor | None) -> None:
+        """Zero states and (``master``) the float32 value of the partition into every chunk's files.
+        With the parameters on NVMe, ``partition`` is written to its file (the caller may free it
+        then), or is None: `write_params` has written every piece already, and the master copy is
+        made from the file."""
+        if self.param_dtype is not None and partition is not None:
+            self.write_params(0, partition)
         buffers = self._buffers[0]
         for i, (start, n) in enumerate(self.chunks):
             for kind in STATES:
                 buffers[kind][:n].zero_()
             if self.master:
-                buffers["master"][:n].copy_(partition[start:start + n])
+                if partition is None:
+                    self.start_read_params(start, n, out=buffers["param"][:n], fetch=False)[0].wait()
+                    buffers["master"][:n].copy_(buffers["param"][:n])
+                else:
+                    buffers["master"][:n].copy_(partition[start:start + n])
             self.swapper.swap_out([buffers[k][:n] for k in self.kinds], keys=self._keys(i)).wait()
 
     def _keys(self, chunk: int) -> list[str]:
@@ -105,18 +110,22 @@ class NvmeOptimizer:
         buffers = self._buffers[which]
         reads = [self.swapper.swap_in(self._keys(chunk), out=[buffers[k][:n] for k in self.kinds])]
         if self.param_dtype is not None and not self.master:  # float32 on NVMe: the parameters are the master
-            reads.append(self.start_read_params(start, n, out=buffers["param"][:n])[0])
+            reads.append(self.start_read_params(start, n, out=buffers["param"][:n], fetch=False)[0])
             self.bytes_read += self._param_size * n
         return reads
 
-    def start_read_params(self, start: int, n: int, out: torch.Tensor | None = None) -> tuple[Any, torch.Tensor]:
-        """Start reading elements ``[start, start + n)`` of the parameter partition (on NVMe)."""
+    def start_read_params(self, start: int, n: int, out: torch.Tensor | None = None,
+                          fetch: bool = True) -> tuple[Any, torch.Tensor]:
+        """Start reading elements ``[start, start + n)`` of the parameter partition (on NVMe);
+        ``fetch``: for a gather (counted in ``fetch_bytes_read``), not for the optimizer's step."""
         out = torch.empty(n, dtype=self.param_dtype) if out is None else out
-        return self.swapper.swap_in([PARAMS], out=[out], offset=HEADER + start * self._param_size), out
+        if fetch:
+            self.fetch_bytes_read += n * self._param_size
+        return self.swapper.swap_in([PARAMS], out=[out], offset=start * self._param_size), out
 
     def write_params(self, start: int, values: torch.Tensor) -> None:
         """Overwrite elements ``[start, start + len(values))`` of the parameter partition (on NVMe)."""
-        self.swapper.swap_out([values.contiguous()], keys=[PARAMS], offset=HEADER + start * self._param_size).wait()
+        self.swapper.swap_out([values.contiguous()], keys=[PARAMS], offset=start * self._param_size).wait()
 
     def step(self, params: torch.Tensor | None, grads: torch.Tensor, step: int, hyper: dict[str, Any],
              grad_scale: float) -> None:
@@ -142,7 +151,7 @@ class NvmeOptimizer:
             writes = [self.swapper.swap_out([buffers[k][:n] for k in self.kinds], keys=self._keys(i), offset=0)]
             self.bytes_written += 4 * n * len(self.kinds)
             if on_disk:
-                writes.append(self.swapper.swap_out([weights], keys=[PARAMS], offset=HEADER + start * self._param_size))
+                writes.append(self.swapper.swap_out([weights], keys=[PARAMS], offset=start * self._param_size))
                 self.bytes_written += self._param_size * n
             if self.pipeline_write:
                 self._writes[which] = writes

@@ -211,11 +211,20 @@ class ZeroOptimizer(Reduction, State):
             self._owned = [(at, b.shard) for b, at in zip(layout.buckets, self._shard_starts, strict=True)]
         else:
             self._owned = [self._shard(b) if self.stage > 0 else (b.offset, b.padded) for b in layout.buckets]
-        self._flat = torch.zeros(layout.numel if self.stage < 3 else layout.shard_numel, dtype=self.dtype)
+        # parameters on NVMe: never touched, so never in RAM (its storage is dropped below)
+        self._flat = (torch.empty if params_on_nvme else torch.zeros)(
+            layout.numel if self.stage < 3 else layout.shard_numel, dtype=self.dtype)
         self._master = None  # a float32 master copy of what this rank steps, when the model is 16-bit
         self._hooks: list[Any] = []  # removed by close()
         if self.dtype != torch.float32 and offload_device != "nvme":  # NVMe: the master copy is on disk
             self._master = torch.zeros(layout.numel if self.stage == 0 else layout.shard_numel, dtype=torch.float32)
+        if offload_device == "nvme":
+            nvme = self.config.offload_optimizer
+            self._nvme = NvmeOptimizer(layout.shard_numel, sub_group_size=self.config.sub_group_size,
+                                       master=self.dtype != torch.float32, nvme_path=nvme.nvme_path, aio=aio,
+                                       rank=self.rank, pipeline_read=nvme.pipeline_read,
+                                       pipeline_write=nvme.pipeline_write,
+                                       param_dtype=self.dtype if params_on_nvme else None)
         if self.stage == 3:
             self._fill_partitions(params)
         else:
@@ -236,7 +245,8 @@ class ZeroOptimizer(Reduction, State):
         self._stage3 = None
         if self.stage == 3:
             self._stage3 = Stage3(model, params, layout, [name for name, _ in units], hooked, self._flat,
-                                  self._shard_starts, self.config, group, self._shard_modified)
+                                  self._shard_starts, self.config, group, self._shard_modified,
+                                  shards=self._nvme if params_on_nvme else None)
         # the optimizer steps one tensor per run: a bucket's stepped range, split where the option group
         # changes (one run per bucket without param_groups); (bucket, offset in the range, length, group)
         self._runs = step_runs(layout, self.stage, self.rank, group_of)
@@ -280,16 +290,9 @@ class ZeroOptimizer(Reduction, State):
             self.optimizer.bind(group, caller_reduces=True)
             self._mask_padding()
         self._average_now = not self._compressed or self.optimizer.wants_averaged_gradients()
-        if offload_device == "nvme":
-            nvme = self.config.offload_optimizer
-            self._nvme = NvmeOptimizer(layout.shard_numel, sub_group_size=self.config.sub_group_size,
-                                       master=self.dtype != torch.float32, nvme_path=nvme.nvme_path, aio=aio,
-                                       rank=self.rank, pipeline_read=nvme.pipeline_read,
-                                       pipeline_write=nvme.pipeline_write,
-                                       param_dtype=self.dtype if params_on_nvme else None)
-            self._nvme.initialize(self._flat)
-            if params_on_nvme:  # the partition lives in its file now: RAM keeps no copy
-                self._stage3.shards = self._nvme
+        if self._nvme is not None:  # the parameters on NVMe are in their file already
+            self._nvme.initialize(None if params_on_nvme else self._flat)
+            if params_on_nvme:
                 self._flat.untyped_storage().resize_(0)
         # the fused path: 16-bit models and CPU offload step Adam-family optimizers with ds_ops.adam_step
         self._recipe = adam_recipe(self.optimizer) if (self._master is not None or self.offload) else None
@@ -556,9 +559,12 @@ class ZeroOptimizer(Reduction, State):
     def _fill_partitions(self, params: list[nn.Parameter]) -> None:
         """Stage 3: this rank's shard of every unit into the partition (and the master copy), one unit
         whole at a time (parameters built under `Init` are gathered from their shards for it), then
-        every parameter is released (the `Stage3` hooks gather them to run)."""
+        every parameter is released (the `Stage3` hooks gather them to run). Parameters on NVMe: each
+        unit's shard is written to its place in the file (RAM never holds the partition)."""
+        on_disk = self._nvme is not None and self._nvme.param_dtype is not None
         for bucket, start in zip(self.layout.buckets, self._shard_starts, strict=True):
             lo, hi = bucket.offset + self.rank * bucket.shard, bucket.offset + (self.rank + 1) * bucket.shard
+            shard = torch.zeros(bucket.shard, dtype=self.dtype) if on_disk else self._flat[start:start + bucket.shard]
             for index in bucket.slots:
                 slot, p = self.layout.slots[index], params[index]
                 a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
@@ -568,10 +574,12 @@ class ZeroOptimizer(Reduction, State):
                     continue
                 whole = gather_init_partitioned(p, self.group) if hasattr(p, "ds_init_shard") else p.detach()
                 source = whole.reshape(-1)[a - slot.offset:b - slot.offset]
-                self._flat[start + a - lo:start + b - lo].copy_(source)
+                shard[a - lo:b - lo].copy_(source)
                 if self._master is not None:
                     self._master[start + a - lo:start + b - lo].copy_(source)
                 p.grad = None
+            if on_disk:
+                self._nvme.write_params(start, shard)
             for index in bucket.slots:
                 params[index].data = torch.empty(0, dtype=self.dtype)
                 forget_init_partition(params[index])

@@ -122,7 +122,7 @@ class Stage3:
 
     def __init__(self, model: nn.Module, params: list[nn.Parameter], layout: FlatLayout, unit_names: list[str],
                  hooked: list[tuple[nn.Module, list[int]]], partition: torch.Tensor, shard_starts: list[int],
-                 config: Any, group: Any, on_modified: Callable[[int], None]):
+                 config: Any, group: Any, on_modified: Callable[[int], None], shards: Any = None):
         self.model, self.layout, self.group, self.partition = model, layout, group, partition
         self.world_size, self.rank = ds_comm.get_world_size(group), ds_comm.get_rank(group)
         self.shard_starts, self.dtype, self.on_modified = shard_starts, partition.dtype, on_modified
@@ -147,7 +147,7 @@ class Stage3:
         self._ahead: set[int] = set()  # units gathered ahead of their request
         self._in_backward: set[int] = set()  # units requested in this backward
         self._saved_hooks: list[Any] = []
-        self.shards: Any = None  # where this rank's shards are read and written when not in `partition` (NVMe)
+        self.shards: Any = shards  # where this rank's shards are read and written when not in `partition` (NVMe)
         self._reads: dict[int, Any] = {}  # shard reads started for announced prefetches
         self._pool: dict[int, list[torch.Tensor]] = {}  # released gather buffers by size, for reuse
         self._pending: tuple[Any, list[int]] | None = None  # a check in flight and the prefetches it announces
