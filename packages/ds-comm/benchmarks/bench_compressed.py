@@ -41,14 +41,15 @@ def _timed(fn) -> float:
 
 
 def kernel_bytes(n: int, world: int) -> dict[str, int]:
-    """Bytes each kernel reads + writes on one rank (onebit.h's passes)."""
-    padded, chunk = ds_comm.error_buffer_sizes(n, world)
+    """Bytes each kernel reads + writes on one rank (onebit.h's one pass each)."""
+    worker, server = ds_comm.error_buffer_sizes(n, world)
+    chunk = server - 1
     frames = world * (chunk // 8 + SCALE_BYTES)
     return {
-        # pass 1 reads x, error; pass 2 reads them again, writes error and the frames
-        "compress": 2 * (4 * n + 4 * padded) + 4 * padded + frames,
-        # pass 1 reads the world frames and the server error; pass 2 again, writes the error and one frame
-        "average": 2 * (frames + 4 * chunk) + 4 * chunk + frames // world,
+        # reads x and the error state (values and scales), writes the state and the frames
+        "compress": 4 * n + 2 * 4 * worker + frames,
+        # reads the world frames and the server's state, writes the state and one frame
+        "average": frames + 2 * 4 * server + frames // world,
         # reads the gathered frames, writes the result
         "decompress": frames + 4 * n,
     }
@@ -68,8 +69,9 @@ def measure_size(onebit, rank, world, millions, reps):
     exact = x.clone()
     ds_comm.all_reduce(exact)
     exact /= world
-    padded, chunk = ds_comm.error_buffer_sizes(n, world)
-    errors = {name: (torch.zeros(padded), torch.zeros(chunk)) for name in ("torch", "native")}
+    sizes = ds_comm.error_buffer_sizes(n, world)
+    chunk = sizes[1] - 1
+    errors = {name: tuple(torch.zeros(size) for size in sizes) for name in ("torch", "native")}
     y = torch.empty_like(x)
 
     # bytes and error: one logged call of each

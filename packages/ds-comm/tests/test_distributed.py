@@ -209,8 +209,7 @@ def test_grid_builds_the_right_groups_on_four_ranks():
 
 
 def compressed_converges(rank, world, n, calls):
-    padded, chunk = ds_comm.error_buffer_sizes(n, world)
-    worker_error, server_error = torch.zeros(padded), torch.zeros(chunk)
+    worker_error, server_error = (torch.zeros(size) for size in ds_comm.error_buffer_sizes(n, world))
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(n, generator=g)
     true_mean = sum(torch.randn(n, generator=torch.Generator().manual_seed(r)) for r in range(world)) / world

@@ -94,8 +94,7 @@ def timing_run(rank: int, world_size: int, kind: str, warm: int, timed: int) -> 
 
 def _probes(numel: int) -> dict:
     x = torch.randn(numel, generator=torch.Generator().manual_seed(0))
-    padded, chunk = ds_comm.error_buffer_sizes(numel, ds_comm.get_world_size())
-    worker, server = torch.zeros(padded), torch.zeros(chunk)
+    worker, server = (torch.zeros(size) for size in ds_comm.error_buffer_sizes(numel, ds_comm.get_world_size()))
     full, onebit = [], []
     for _ in range(2):
         ds_comm.barrier()

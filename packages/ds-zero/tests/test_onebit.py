@@ -7,6 +7,7 @@ bytes on the wire; checkpoints that carry the error feedback; bad input named.""
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -446,6 +447,8 @@ def refusals(rank, world_size):
         ("var_freeze_step", lambda m: ZeroOneAdam(m.parameters(), var_freeze_step=-1)),
         ("backend", lambda m: OneBitAdam(m.parameters(), comm_backend_name="carrier-pigeon")),
         ("amsgrad", lambda m: ZeroOneAdam(m.parameters(), amsgrad=True)),
+        ("rank state", lambda m: OneBitAdam(m.parameters()).load_rank_state(
+            {"0/worker_error": torch.zeros(5), "0/server_error": torch.zeros(3)})),
     ):
         try:
             make(_model())
@@ -466,3 +469,6 @@ def test_bad_input_is_named():
     assert "ZeroOneAdam: var_freeze_step must be an integer >= 1, got -1" in out["var_freeze_step"]
     assert "comm_backend_name must be one of nccl, mpi, hccl, compressed, gloo, got 'carrier-pigeon'" in out["backend"]
     assert "amsgrad is not supported" in out["amsgrad"]
+    assert re.fullmatch(r"OneBitAdam.load_rank_state: group 0's error feedback has 5 \+ 3 elements, this optimizer's "
+                        r"needs \d+ \+ \d+ \(ds_comm.error_buffer_sizes\): saved for other parameters, .*",
+                        out["rank state"]), out["rank state"]

@@ -555,6 +555,19 @@ def batch_isend_irecv(p2p_op_list: list[P2POp]):
                   lambda a: dist.batch_isend_irecv(p2p_op_list), True)
 
 
+def _exchange(op: str, nbytes: int, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]],
+              group=None, tag: int = 0) -> list:
+    """A collective made of point-to-point messages, so that the caller can work while they travel:
+    ``recvs`` and ``sends`` ((tensor, group rank) each) issued together, recorded by the comms logger
+    as one ``op`` of ``nbytes`` (the collective's own message size: its bus bytes are what each rank
+    sends). Returns the works, one per receive then one per send, in order; wait on every one."""
+    ops = [P2POp(dist.irecv, t, _global_rank(group, src), group, tag) for t, src in recvs]
+    ops += [P2POp(dist.isend, t, _global_rank(group, dst), group, tag) for t, dst in sends]
+    if not ops:
+        return []
+    return _issue(op, nbytes, group, [t for t, _ in recvs + sends], lambda a: dist.batch_isend_irecv(ops), True)
+
+
 def barrier(group=None, async_op: bool = False):
     _require_usable("barrier")
     return _issue("barrier", 0, group, (), lambda a: dist.barrier(group=group, async_op=a), async_op)

@@ -11,10 +11,10 @@ PYBIND11_MODULE(DS_OP_MODULE, m) {
             "pointers in, GIL released)";
   m.def("simd_level", &ds::simd_level, "The instruction set this build vectorises with.");
   const auto nogil = py::call_guard<py::gil_scoped_release>();
-  m.def("compress", &ds::onebit_compress, nogil, py::arg("x"), py::arg("n"), py::arg("error"), py::arg("chunks"),
-        py::arg("chunk"), py::arg("frames"), py::arg("num_threads"));
+  m.def("compress", &ds::onebit_compress, nogil, py::arg("x"), py::arg("n"), py::arg("values"), py::arg("scales"),
+        py::arg("chunks"), py::arg("chunk"), py::arg("frames"), py::arg("num_threads"));
   m.def("average", &ds::onebit_average, nogil, py::arg("frames"), py::arg("world"), py::arg("chunk"),
-        py::arg("server_error"), py::arg("out_frame"), py::arg("num_threads"));
+        py::arg("values"), py::arg("scale"), py::arg("out_frame"), py::arg("num_threads"));
   m.def("decompress", &ds::onebit_decompress, nogil, py::arg("frames"), py::arg("chunks"), py::arg("chunk"),
         py::arg("out"), py::arg("n"), py::arg("num_threads"));
 }

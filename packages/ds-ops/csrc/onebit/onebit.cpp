@@ -2,11 +2,12 @@
 // byte of signs: one AVX2 register where the build has AVX2 (AVX-512 builds too: the kernels are
 // bounded by memory, not by the width), eight scalars otherwise. Threads take contiguous ranges of
 // the elements (parallel.h), cut further at chunk boundaries, so each streams through memory in
-// order and no two write the same byte.
+// order and no two write the same byte. Each kernel is one pass: the error of the last call is
+// recomputed from the state as it is read (onebit.h), so no pass has to wait for a scale.
 //
 // The results are exactly those of the PyTorch reference (ds_comm's torch path) for the same
-// scales: a sign is `w >= 0`, an error is `w - (+-scale)` and an average `((+-s0 +-s1) ...) / world
-// + error`, the same float32 operations in the same order. Only the scales' sums of squares are
+// scales: a sign is `w >= 0`, an error is `previous - (+-scale)`, a value `x + error` and an average
+// `((+-s0 +-s1) ...) / world + error`, the same float32 operations in the same order. Only the scales' sums of squares are
 // summed in another order (both in double, from exact float32 squares), so a scale could differ in
 // its last bit in rare cases; in the tests they are identical. The op is built with
 // -ffp-contract=off: a multiply and an add fused into one rounding would not be the reference's.
@@ -139,32 +140,35 @@ struct SquareSum {
 
 inline int64_t byte_of(int64_t i) { return i >> 3; }  // the byte of element i's sign (i >= 0)
 
-// The worker's values: w = x + error, with x read as 0 from element n on.
+// The worker's values: w = x + e, with x read as 0 from element n on, where e, the error of the
+// last compression, is recomputed from the state: e = previous - (+-scale of the previous).
 struct WorkerValues {
   const float* x;
-  const float* error;
+  const float* previous;
   int64_t n;
-  Eight at(int64_t i) const {
-    if (i + 8 <= n) return Eight::load(x + i) + Eight::load(error + i);
-    if (i >= n) return Eight::load(error + i);
+  Eight at(int64_t i, const Scale& previous_scale) const {
+    const Eight e = Eight::load(previous + i).minus_signed(previous_scale);
+    if (i + 8 <= n) return Eight::load(x + i) + e;
+    if (i >= n) return e;
     float w[8];  // the one group that straddles n
-    for (int64_t j = 0; j < 8; ++j) w[j] = i + j < n ? x[i + j] + error[i + j] : error[i + j];
+    e.store(w);
+    for (int64_t j = 0; j < 8 && i + j < n; ++j) w[j] = x[i + j] + w[j];
     return Eight::load(w);
   }
 };
 
-// The server's values: the average of `world` decompressed frames, plus its error feedback. With a
-// power-of-two world the division is a multiplication by 1/world, which rounds identically (both
-// are exact up to the one rounding of the sum) and costs a fraction of a divide.
-// kWorld: 2 unrolls the two ranks' terms, 0 loops over `world` of them.
+// The server's values: the average of `world` decompressed frames, plus its error feedback (from
+// its state, as the worker's). With a power-of-two world the division is a multiplication by
+// 1/world, which rounds identically (both are exact up to the one rounding of the sum) and costs a
+// fraction of a divide. kWorld: 2 unrolls the two ranks' terms, 0 loops over `world` of them.
 template <bool kPowerOfTwo, int kWorld>
 struct AverageValues {
   const uint8_t* frames;  // world frames of one chunk
   int64_t frame_stride;
   const Scale* scales;  // one per rank
   int64_t world;
-  const float* error;
-  Eight at(int64_t i) const {
+  const float* previous;
+  Eight at(int64_t i, const Scale& previous_scale) const {
     const int64_t byte = byte_of(i);
     Eight sum = Eight::signed_scale(frames[byte], scales[0]);
     if constexpr (kWorld == 2) {
@@ -173,7 +177,7 @@ struct AverageValues {
       for (int64_t r = 1; r < world; ++r) sum = sum + Eight::signed_scale(frames[r * frame_stride + byte], scales[r]);
     }
     const float count = static_cast<float>(kWorld ? kWorld : world);
-    return (kPowerOfTwo ? sum * (1.f / count) : sum / count) + Eight::load(error + i);
+    return (kPowerOfTwo ? sum * (1.f / count) : sum / count) + Eight::load(previous + i).minus_signed(previous_scale);
   }
 };
 
@@ -198,70 +202,50 @@ void for_chunk_pieces(int64_t lo, int64_t hi, int64_t chunk, F&& fn) {
   }
 }
 
-// The same pieces from the last to the first.
-template <class F>
-void for_chunk_pieces_backwards(int64_t lo, int64_t hi, int64_t chunk, F&& fn) {
-  while (lo < hi) {
-    const int64_t c = (hi - 1) / chunk, begin = std::max(lo, c * chunk);
-    fn(c, begin, hi);
-    hi = begin;
-  }
-}
-
-// Pass 1: the sum of squares of every chunk of the values (groups of 8; total a multiple of 8).
-template <class Values>
-std::vector<double> chunk_square_sums(const Values& values, int64_t total, int64_t chunks, int64_t chunk,
-                                      int num_threads) {
-  return parallel_sum(total, num_threads, static_cast<int>(chunks), [&](int64_t lo, int64_t hi, double* sums) {
-    for_chunk_pieces(lo, hi, chunk, [&](int64_t c, int64_t i, int64_t end) {
-      const Values v = values;  // a local copy: its fields stay in registers
-      SquareSum a, b;           // two chains, so the adds wait on memory, not on each other
-      for (; i + 16 <= end; i += 16) {
-        a.add(v.at(i));
-        b.add(v.at(i + 8));
-      }
-      if (i < end) a.add(v.at(i));
-      sums[c] += a.total() + b.total();
-    });
-  });
-}
-
 // The scale of a chunk from its sum of squares: its root mean square, sqrt(sum) / sqrt(chunk) in
 // double, rounded once to float32 (as the reference: vector_norm in float64 / sqrt(chunk)).
 float rms(double square_sum, int64_t chunk) {
   return static_cast<float>(std::sqrt(square_sum) / std::sqrt(static_cast<double>(chunk)));
 }
 
-// Pass 2: signs into the frames, scales after them, and the new error (written over `error`,
-// which the values may read: each group is read before it is written). Backwards: the lines pass 1
-// read last are the ones still in cache (a chunk of a few MB is read from memory once, not twice).
+// The one pass: for every group of eight values w (total a multiple of 8), its signs into the
+// frame of its chunk and w over the state's `previous` (which the values read: each group is read
+// before it is written), the chunk's sum of squares accumulated; then every chunk's scale into its
+// frame and over `scales` (read by the values with the previous ones until then).
 template <class Values>
-void write_frames(const Values& values, float* error, int64_t total, int64_t chunk, uint8_t* frames,
-                  int64_t frame_stride, const std::vector<float>& scales, int num_threads) {
-  parallel_over({total}, num_threads, [&](size_t, int64_t lo, int64_t hi) {
-    for_chunk_pieces_backwards(lo, hi, chunk, [&](int64_t c, int64_t begin, int64_t end) {
-      uint8_t* bits = frames + c * frame_stride - byte_of(c * chunk);  // bits[byte_of(i)]: i's signs
-      const Scale scale(scales[c]);
-      const Values v = values;  // a local copy: the byte stores below cannot alias its fields
-      for (int64_t i = end - 8; i >= begin; i -= 8) {
-        const Eight w = v.at(i);
-        bits[byte_of(i)] = w.signs();
-        w.minus_signed(scale).store(error + i);
-      }
-    });
-  });
-  for (size_t c = 0; c < scales.size(); ++c)
-    std::memcpy(frames + c * frame_stride + chunk / 8, &scales[c], sizeof(float));
-}
-
-template <class Values>
-void compress(const Values& values, float* error, int64_t chunks, int64_t chunk, uint8_t* frames,
+void compress(const Values& values, float* previous, float* scales, int64_t chunks, int64_t chunk, uint8_t* frames,
               int num_threads) {
-  const int64_t total = chunks * chunk;
-  const std::vector<double> sums = chunk_square_sums(values, total, chunks, chunk, num_threads);
-  std::vector<float> scales(chunks);
-  for (int64_t c = 0; c < chunks; ++c) scales[c] = rms(sums[c], chunk);
-  write_frames(values, error, total, chunk, frames, frame_bytes(chunk), scales, num_threads);
+  const int64_t total = chunks * chunk, stride = frame_bytes(chunk);
+  const std::vector<double> sums =
+      parallel_sum(total, num_threads, static_cast<int>(chunks), [&](int64_t lo, int64_t hi, double* partial) {
+        for_chunk_pieces(lo, hi, chunk, [&](int64_t c, int64_t i, int64_t end) {
+          uint8_t* bits = frames + c * stride - byte_of(c * chunk);  // bits[byte_of(i)]: i's signs
+          const Scale previous_scale(scales[c]);
+          const Values v = values;  // a local copy: the byte stores below cannot alias its fields
+          float* out = previous;
+          SquareSum a, b;  // two chains, so the adds wait on memory, not on each other
+          for (; i + 16 <= end; i += 16) {
+            const Eight w0 = v.at(i, previous_scale), w1 = v.at(i + 8, previous_scale);
+            bits[byte_of(i)] = w0.signs();
+            bits[byte_of(i) + 1] = w1.signs();
+            w0.store(out + i);
+            w1.store(out + i + 8);
+            a.add(w0);
+            b.add(w1);
+          }
+          if (i < end) {
+            const Eight w = v.at(i, previous_scale);
+            bits[byte_of(i)] = w.signs();
+            w.store(out + i);
+            a.add(w);
+          }
+          partial[c] += a.total() + b.total();
+        });
+      });
+  for (int64_t c = 0; c < chunks; ++c) {
+    scales[c] = rms(sums[c], chunk);
+    std::memcpy(frames + c * stride + chunk / 8, &scales[c], sizeof(float));
+  }
 }
 
 void check_chunk(const char* what, int64_t chunks, int64_t chunk) {
@@ -272,30 +256,34 @@ void check_chunk(const char* what, int64_t chunks, int64_t chunk) {
 
 }  // namespace
 
-void onebit_compress(int64_t x, int64_t n, int64_t error, int64_t chunks, int64_t chunk, int64_t frames,
-                     int num_threads) {
+void onebit_compress(int64_t x, int64_t n, int64_t values, int64_t scales, int64_t chunks, int64_t chunk,
+                     int64_t frames, int num_threads) {
   check_chunk("onebit_compress", chunks, chunk);
   if (n < 0 || n > chunks * chunk)
     throw std::invalid_argument("onebit_compress: n must be in [0, chunks * chunk], got " + std::to_string(n));
-  const WorkerValues values{as_ptr<const float>(x), as_ptr<const float>(error), n};
-  compress(values, as_ptr<float>(error), chunks, chunk, as_ptr<uint8_t>(frames), num_threads);
+  const WorkerValues w{as_ptr<const float>(x), as_ptr<const float>(values), n};
+  compress(w, as_ptr<float>(values), as_ptr<float>(scales), chunks, chunk, as_ptr<uint8_t>(frames), num_threads);
 }
 
-void onebit_average(int64_t frames, int64_t world, int64_t chunk, int64_t server_error, int64_t out_frame,
+void onebit_average(int64_t frames, int64_t world, int64_t chunk, int64_t values, int64_t scale, int64_t out_frame,
                     int num_threads) {
   check_chunk("onebit_average", world, chunk);
   const uint8_t* in = as_ptr<const uint8_t>(frames);
   const int64_t stride = frame_bytes(chunk);
   std::vector<Scale> scales;
   for (int64_t r = 0; r < world; ++r) scales.emplace_back(scale_of(in + r * stride, chunk));
-  float* error = as_ptr<float>(server_error);
+  float* previous = as_ptr<float>(values);
+  float* previous_scale = as_ptr<float>(scale);
   uint8_t* out = as_ptr<uint8_t>(out_frame);
   if (world == 2) {
-    compress(AverageValues<true, 2>{in, stride, scales.data(), world, error}, error, 1, chunk, out, num_threads);
+    compress(AverageValues<true, 2>{in, stride, scales.data(), world, previous}, previous, previous_scale, 1, chunk,
+             out, num_threads);
   } else if ((world & (world - 1)) == 0) {
-    compress(AverageValues<true, 0>{in, stride, scales.data(), world, error}, error, 1, chunk, out, num_threads);
+    compress(AverageValues<true, 0>{in, stride, scales.data(), world, previous}, previous, previous_scale, 1, chunk,
+             out, num_threads);
   } else {
-    compress(AverageValues<false, 0>{in, stride, scales.data(), world, error}, error, 1, chunk, out, num_threads);
+    compress(AverageValues<false, 0>{in, stride, scales.data(), world, previous}, previous, previous_scale, 1, chunk,
+             out, num_threads);
   }
 }
 

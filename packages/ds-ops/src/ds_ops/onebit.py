@@ -6,15 +6,20 @@ least significant bit first: element ``8j+i`` is bit ``i`` of byte ``j``, as ``d
 followed by the chunk's scale, its root mean square, as a float32 in native byte order:
 ``frame_bytes(chunk) = chunk / 8 + 4`` bytes. Decompressed, an element is +scale or -scale.
 
+The error feedback lives in an *error state*, a float32 buffer kept between calls: the values last
+compressed (``w``, the input plus the error before it), then one scale per chunk of them
+(`state_size`). The error it stands for, ``w - ±scale`` (``+scale`` where ``w >= 0``), is
+recomputed as the next call reads the state, so each kernel is one pass over memory: the error
+itself is never written. A zero state is no error.
+
     frames = torch.empty(world, onebit.frame_bytes(chunk), dtype=torch.uint8)
-    onebit.compress(grad, worker_error, frames)       # worker: w = grad + error -> frames; error = w - ±scale
-    onebit.average(received, server_error, mine)      # server: mean of the world frames + its error -> a frame
+    onebit.compress(grad, worker_state, frames)       # worker: w = grad + error -> frames; the state keeps w
+    onebit.average(received, server_state, mine)      # server: mean of the world frames + its error -> a frame
     onebit.decompress(gathered, grad)                 # ±scale of every element into grad
 
-Each kernel is one or two passes over memory (the scales are needed before the first error is
-written), vectorised, on ``torch.get_num_threads()`` threads unless ``num_threads`` says otherwise,
-with the GIL released. Every buffer is a contiguous CPU tensor; a bad one raises ``ValueError``
-naming it.
+Each kernel is vectorised, runs on ``torch.get_num_threads()`` threads unless ``num_threads`` says
+otherwise, with the GIL released. Every buffer is a contiguous CPU tensor; a bad one raises
+``ValueError`` naming it.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import torch
 
 from .op_builder import OneBitBuilder
 
-__all__ = ["SCALE_BYTES", "average", "compress", "decompress", "frame_bytes", "load"]
+__all__ = ["SCALE_BYTES", "average", "compress", "decompress", "frame_bytes", "load", "state_size"]
 
 SCALE_BYTES = 4
 
@@ -37,43 +42,64 @@ def frame_bytes(chunk: int) -> int:
     return chunk // 8 + SCALE_BYTES
 
 
+def state_size(chunks: int, chunk: int) -> int:
+    """Elements of the error state of ``chunks`` chunks of ``chunk`` values: the values, then a scale per chunk."""
+    frame_bytes(chunk)  # checks chunk
+    if chunks < 1:
+        raise ValueError(f"ds_ops.onebit: need at least one chunk, got {chunks}")
+    return chunks * chunk + chunks
+
+
 def load() -> ModuleType:
     """The built op (compiled on first use); raises `ds_ops.OpBuildError` when it cannot be built."""
     return OneBitBuilder().load()
 
 
-def compress(tensor: torch.Tensor, error: torch.Tensor, frames: torch.Tensor,
-             num_threads: int | None = None) -> torch.Tensor:
-    """Worker side: ``w = tensor + error`` (``tensor`` counts as 0 past its end: ``error`` may be
-    longer, padded to ``chunks * chunk``), chunk ``c`` of ``w`` compressed into ``frames[c]``, and
-    ``error`` becomes ``w - ±scale``. ``frames``: uint8 ``[chunks, frame_bytes(chunk)]``. Returns
-    ``frames``."""
+def compress(tensor: torch.Tensor, error: torch.Tensor, frames: torch.Tensor, num_threads: int | None = None,
+             *, index: int | None = None) -> torch.Tensor:
+    """Worker side: ``w = tensor + e`` where ``e`` is the error that the error state ``error``
+    stands for (``tensor`` counts as 0 past its end: ``w`` has ``chunks * chunk`` elements, the
+    padding the error alone), chunk ``c`` of ``w`` compressed into ``frames[c]``; ``error`` then
+    holds ``w`` and the new scales (``state_size(chunks, chunk)`` elements). ``frames``: uint8
+    ``[chunks, frame_bytes(chunk)]``. ``index``: only chunk ``index`` is compressed (into
+    ``frames[index]``; its part of the state alone is read and written), so that a frame can be
+    sent while the next is compressed. Returns ``frames``."""
     _check_float32("compress", "tensor", tensor)
     _check_float32("compress", "error", error)
     chunks, chunk = _check_frames("compress", "frames", frames)
-    if error.numel() != chunks * chunk or tensor.numel() > error.numel():
+    if error.numel() != state_size(chunks, chunk) or tensor.numel() > chunks * chunk:
         raise ValueError(f"ds_ops.onebit.compress: frames {tuple(frames.shape)} hold {chunks} chunks of {chunk} "
-                         f"values, so error must have {chunks * chunk} elements and tensor at most that many; "
-                         f"got error {error.numel()}, tensor {tensor.numel()}")
-    load().compress(tensor.data_ptr(), tensor.numel(), error.data_ptr(), chunks, chunk, frames.data_ptr(),
-                    _threads(num_threads))
+                         f"values, so error must have {state_size(chunks, chunk)} elements (the values and a scale "
+                         f"per chunk) and tensor at most {chunks * chunk}; got error {error.numel()}, tensor "
+                         f"{tensor.numel()}")
+    values, scales, x, n, out = (error.data_ptr(), error.data_ptr() + 4 * chunks * chunk, tensor.data_ptr(),
+                                 tensor.numel(), frames.data_ptr())
+    if index is not None:
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < chunks:
+            raise ValueError(f"ds_ops.onebit.compress: index must be a chunk index in [0, {chunks}), got {index!r}")
+        start = index * chunk
+        values, scales, x, out = values + 4 * start, scales + 4 * index, x + 4 * start, out + index * frames.shape[1]
+        n, chunks = min(max(n - start, 0), chunk), 1
+    load().compress(x, n, values, scales, chunks, chunk, out, _threads(num_threads))
     return frames
 
 
 def average(frames: torch.Tensor, server_error: torch.Tensor, out: torch.Tensor,
             num_threads: int | None = None) -> torch.Tensor:
     """Server side: the frames of one chunk from every rank (uint8 ``[world, frame_bytes(chunk)]``)
-    decompressed and averaged, ``a = (±s_0 + ±s_1 + ...) / world + server_error`` (added in rank
-    order), compressed into ``out`` (uint8, ``frame_bytes(chunk)``); ``server_error`` becomes
-    ``a - ±scale``. Returns ``out``."""
+    decompressed and averaged, ``a = (±s_0 + ±s_1 + ...) / world + e`` (added in rank order) where
+    ``e`` is the error the error state ``server_error`` (``state_size(1, chunk)`` elements) stands
+    for, compressed into ``out`` (uint8, ``frame_bytes(chunk)``); ``server_error`` then holds ``a``
+    and its scale. Returns ``out``."""
     world, chunk = _check_frames("average", "frames", frames)
     _check_float32("average", "server_error", server_error)
     _check_bytes("average", "out", out)
-    if server_error.numel() != chunk or out.numel() != frame_bytes(chunk):
+    if server_error.numel() != state_size(1, chunk) or out.numel() != frame_bytes(chunk):
         raise ValueError(f"ds_ops.onebit.average: frames {tuple(frames.shape)} hold chunks of {chunk} values, so "
-                         f"server_error must have {chunk} elements and out {frame_bytes(chunk)} bytes; got "
-                         f"{server_error.numel()} and {out.numel()}")
-    load().average(frames.data_ptr(), world, chunk, server_error.data_ptr(), out.data_ptr(), _threads(num_threads))
+                         f"server_error must have {state_size(1, chunk)} elements and out {frame_bytes(chunk)} "
+                         f"bytes; got {server_error.numel()} and {out.numel()}")
+    values = server_error.data_ptr()
+    load().average(frames.data_ptr(), world, chunk, values, values + 4 * chunk, out.data_ptr(), _threads(num_threads))
     return out
 
 

@@ -192,8 +192,8 @@ class _CompressedAdam(torch.optim.Optimizer):
         if self.world_size == 1:
             return tensor
         if self._errors[index] is None:
-            padded, chunk = ds_comm.error_buffer_sizes(tensor.numel(), self.world_size)
-            self._errors[index] = (torch.zeros(padded, device=tensor.device), torch.zeros(chunk, device=tensor.device))
+            self._errors[index] = tuple(torch.zeros(size, device=tensor.device)
+                                        for size in ds_comm.error_buffer_sizes(tensor.numel(), self.world_size))
         worker, server = self._errors[index]
         self.compressed_calls += 1
         ds_comm.compressed_allreduce(tensor, worker, server, group=self.group)
@@ -241,7 +241,9 @@ class _CompressedAdam(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------------------------- state
     def rank_state(self) -> dict[str, torch.Tensor]:
-        """This rank's own tensors (the error feedback of each group that has sent compressed), by name."""
+        """This rank's own tensors (the error feedback of each group that has sent compressed), by name: the
+        worker and server error states of `ds_comm.compressed_allreduce`, as it keeps them (the values last
+        compressed, then their scales; the error is each value minus ±its scale), restored as they are."""
         out = {}
         for index, pair in enumerate(self._errors):
             if pair is not None:
@@ -253,16 +255,25 @@ class _CompressedAdam(torch.optim.Optimizer):
         out = {}
         for index, flat in enumerate(self._flat):
             if flat is not None:
-                padded, chunk = ds_comm.error_buffer_sizes(flat.numel, self.world_size)
-                out[f"{index}/worker_error"], out[f"{index}/server_error"] = torch.zeros(padded), torch.zeros(chunk)
+                worker, server = ds_comm.error_buffer_sizes(flat.numel, self.world_size)
+                out[f"{index}/worker_error"], out[f"{index}/server_error"] = torch.zeros(worker), torch.zeros(server)
         return out
 
     def load_rank_state(self, state: dict[str, torch.Tensor] | None) -> None:
         """This rank's error feedback from `rank_state` (None: restart it at zero)."""
-        self._errors = [None] * len(self.param_groups)
-        for index in range(len(self.param_groups)):
+        errors: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(self.param_groups)
+        for index, flat in enumerate(self._flat):
             if state is not None and f"{index}/worker_error" in state:
-                self._errors[index] = (state[f"{index}/worker_error"].clone(), state[f"{index}/server_error"].clone())
+                pair = (state[f"{index}/worker_error"], state[f"{index}/server_error"])
+                sizes = ds_comm.error_buffer_sizes(0 if flat is None else flat.numel, self.world_size)
+                if tuple(t.numel() for t in pair) != sizes:
+                    raise ValueError(f"{type(self).__name__}.load_rank_state: group {index}'s error feedback has "
+                                     f"{pair[0].numel()} + {pair[1].numel()} elements, this optimizer's needs "
+                                     f"{sizes[0]} + {sizes[1]} (ds_comm.error_buffer_sizes): saved for other "
+                                     "parameters, another world size, or by a ds-zero whose buffers held the "
+                                     "errors themselves")
+                errors[index] = (pair[0].clone(), pair[1].clone())
+        self._errors = errors
 
     def state_dict(self) -> dict[str, Any]:
         out = super().state_dict()
