@@ -203,6 +203,21 @@ def test_tensors_stay_alive_until_the_request_is_done(gated):
     assert swapper.path_of("t").read_bytes() == expected
 
 
+def test_a_finished_requests_tensors_are_freed_without_the_garbage_collector(tmp_path):
+    """No reference cycle keeps a waited request (and the tensors it read into) alive until the next
+    gc run: ZeRO-Infinity reads gigabytes of shards per step into fresh tensors."""
+    with TensorSwapper(tmp_path) as swapper:
+        swapper.swap_out([random_bytes(100_000, 6)], keys=["k"]).wait()
+        gc.disable()
+        try:
+            request = swapper.swap_in(["k"])
+            alive = [weakref.ref(request), weakref.ref(request.wait()[0])]
+            request = None
+            assert [ref() for ref in alive] == [None, None]
+        finally:
+            gc.enable()
+
+
 def test_conflicting_requests_are_refused_until_waited(gated):
     swapper, gate = gated
     swapper.swap_out([random_bytes(16384, 1)], keys=["k"])

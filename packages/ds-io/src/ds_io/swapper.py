@@ -130,6 +130,9 @@ class SwapRequest:
                 ok = False
                 self._errors.append(f"key {key!r}: {e}")
             on_end(ok)
+        # the callbacks refer to this request (through their spans): dropping them breaks the cycle, so
+        # the request and its tensors are freed when the caller lets go of it, not at the next gc run
+        self._ops = []
         self._finished = True
         self._swapper._finished(self)
 
