@@ -1,0 +1,211 @@
+"""ZeRO-Infinity: train a GPT whose model states do not fit in this machine's memory.
+
+A GPT-style pre-LN decoder (default: d_model 2560, 24 layers, 20 heads, vocab 8192, sequence 64,
+untied LM head: 1.93B parameters). Float32 Adam's model states are 16 bytes per parameter (weights,
+gradients, two moments): 31 GB against this machine's 24 GiB of RAM. The model is built under
+``ds_zero.Init`` with ``offload_param.device: nvme`` (each slice written to disk as its module is
+built, so no rank ever holds the model), then trained by ``ZeroOptimizer`` at stage 3 with the
+parameters and Adam's states on NVMe (12 bytes per parameter on disk) and the gradient partition in
+RAM (4 bytes per parameter / N): 2 ranks x 1 thread on gloo, one micro-batch of 1 x 64 tokens per
+rank, the same batch every step (the loss must fall), AdamW.
+
+Prints per step: seconds, the optimizer step's seconds, the loss, the bytes read and written (the
+optimizer's, and the parameter fetches of forward and backward); the optimizer's NVMe bandwidth
+(both ranks' bytes over the slower rank's step time) against the disk's, from ``ds-nvme-tune``'s
+log (``--tune-log DIR/ds_nvme_tune.json``: its best read and write GB/s, combined for the step's mix
+of reads and writes); peak RSS per rank. ``--json PATH`` writes the same figures.
+
+    ds-nvme-tune --nvme_dir /tmp/tune --log_dir /tmp/tune --output /tmp/tune/aio.json
+    python benchmarks/bench_infinity.py --tune-log /tmp/tune/ds_nvme_tune.json --aio /tmp/tune/aio.json
+
+It needs about 24 GB free under ``--nvme-path`` (checked before anything is written) and takes
+minutes per step: a benchmark, not a test (the tests run a scaled-down version:
+tests/test_stage3.py::test_infinity_scaled_down_model_states_beyond_a_ram_budget).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ds_comm.testing import spawn
+from ds_zero import Init, ZeroOptimizer
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, d)
+        x = x + self.proj(attn)
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab: int, d: int, layers: int, heads: int, seq: int):
+        super().__init__()
+        self.vocab = vocab
+        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(seq, d)
+        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.norm, self.head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
+
+    def forward(self, tokens):
+        x = self.tok(tokens) + self.pos(torch.arange(tokens.shape[1]))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.norm(x))
+        return F.cross_entropy(logits[:, :-1].reshape(-1, self.vocab), tokens[:, 1:].reshape(-1))
+
+
+def parameter_count(vocab: int, d: int, layers: int, seq: int) -> int:
+    return (vocab + seq) * d + layers * (12 * d * d + 13 * d) + 2 * d + vocab * d
+
+
+def ds_config(args, path: str) -> dict:
+    aio = json.loads(Path(args.aio).read_text()).get("aio", {}) if args.aio else {}
+    return {"train_micro_batch_size_per_gpu": 1, "aio": aio, "zero_optimization": {
+        "stage": 3, "sub_group_size": int(args.sub_group_size),
+        "stage3_max_live_parameters": int(args.max_live), "stage3_prefetch_bucket_size": int(args.max_live // 2),
+        "stage3_max_reuse_distance": 0, "stage3_param_persistence_threshold": 10 * args.d_model,
+        "offload_param": {"device": "nvme", "nvme_path": path},
+        "offload_optimizer": {"device": "nvme", "nvme_path": path, "pipeline_read": True, "pipeline_write": True}}}
+
+
+def _rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def run(rank: int, world_size: int, args, path: str) -> dict:
+    torch.set_num_threads(1)
+    config = ds_config(args, path)
+    began = time.perf_counter()
+    torch.manual_seed(0)
+    with Init(config_dict_or_path=config):
+        model = GPT(args.vocab, args.d_model, args.layers, args.heads, args.seq)
+    built = time.perf_counter()
+    rss_built = _rss()
+    zero = ZeroOptimizer(model, torch.optim.AdamW, optimizer_kwargs={"lr": args.lr, "weight_decay": 0.0},
+                         config=config)
+    ready = time.perf_counter()
+    nvme = zero._nvme
+    tokens = torch.randint(0, args.vocab, (1, args.seq), generator=torch.Generator().manual_seed(rank))
+    steps = []
+    for _ in range(args.steps):
+        before = (nvme.bytes_read, nvme.bytes_written, nvme.fetch_bytes_read)
+        start = time.perf_counter()
+        loss = model(tokens)
+        zero.backward(loss)
+        stepping = time.perf_counter()
+        zero.step()
+        end = time.perf_counter()
+        zero.zero_grad()
+        steps.append({"s": end - start, "optimizer_s": end - stepping, "loss": loss.item(),
+                      "optimizer_read": nvme.bytes_read - before[0], "optimizer_written": nvme.bytes_written - before[1],
+                      "fetch_read": nvme.fetch_bytes_read - before[2]})
+    memory = zero.memory_bytes()
+    # no zero.close(): at stage 3 it makes every parameter whole again, which is what does not fit here
+    return {"init_s": built - began, "setup_s": ready - built, "steps": steps, "memory": memory,
+            "rss_after_init": rss_built, "peak_rss": _rss()}
+
+
+def disk_bandwidth(tune_log: str | None) -> tuple[float, float] | None:
+    """ds-nvme-tune's best read and write GB/s, from its ``--log_dir`` JSON."""
+    if not tune_log:
+        return None
+    rows = json.loads(Path(tune_log).read_text())["results"]
+    read = max(v for r in rows for v in (r["read_gbps"], r["buffered_read_gbps"]) if v is not None)
+    return read, max(r["write_gbps"] for r in rows if r["write_gbps"] is not None)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--d-model", type=int, default=2560)
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--heads", type=int, default=20)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--sub-group-size", type=float, default=1e7, help="elements per optimizer chunk")
+    parser.add_argument("--max-live", type=float, default=1e8, help="stage3_max_live_parameters")
+    parser.add_argument("--nvme-path", default=tempfile.gettempdir(), help="a fresh directory is made under it")
+    parser.add_argument("--aio", help="a JSON file with an \"aio\" block (ds-nvme-tune --output)")
+    parser.add_argument("--tune-log", help="ds-nvme-tune's ds_nvme_tune.json (--log_dir): the disk's bandwidth")
+    parser.add_argument("--timeout", type=float, default=3600.0)
+    parser.add_argument("--json", help="write the figures here too")
+    args = parser.parse_args()
+
+    numel = parameter_count(args.vocab, args.d_model, args.layers, args.seq)
+    states, ram = 16 * numel, _ram_bytes()
+    print(f"GPT {numel / 1e9:.2f}B parameters (d_model {args.d_model}, {args.layers} layers, vocab {args.vocab}), "
+          f"fp32 Adam model states {states / 1e9:.1f} GB vs {ram / 2**30:.1f} GiB of RAM; 2 ranks, 1 x {args.seq} "
+          "tokens per rank, parameters and optimizer on NVMe", flush=True)
+    path = tempfile.mkdtemp(prefix="ds_infinity_", dir=args.nvme_path)
+    try:
+        results = spawn(run, world_size=2, args=(args, path), timeout=args.timeout)
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+    bandwidth = disk_bandwidth(args.tune_log)
+    report = {"parameters": numel, "model_state_bytes": states, "ram_bytes": ram, "ranks": results}
+    print(f"init (build under Init, slices to NVMe): {max(r['init_s'] for r in results):.1f} s; ZeroOptimizer "
+          f"(layout, states to NVMe): {max(r['setup_s'] for r in results):.1f} s")
+    print("| step | s | optimizer s | loss | optimizer read GB | written GB | fetch read GB | optimizer GB/s |")
+    print("|---|---|---|---|---|---|---|---|")
+    for i in range(args.steps):
+        rows = [r["steps"][i] for r in results]
+        moved = sum(r["optimizer_read"] + r["optimizer_written"] for r in rows)
+        seconds = max(r["optimizer_s"] for r in rows)
+        print(f"| {i + 1} | {max(r['s'] for r in rows):.1f} | {seconds:.1f} | {rows[0]['loss']:.4f} | "
+              f"{sum(r['optimizer_read'] for r in rows) / 1e9:.2f} | {sum(r['optimizer_written'] for r in rows) / 1e9:.2f} "
+              f"| {sum(r['fetch_read'] for r in rows) / 1e9:.2f} | {moved / seconds / 1e9:.2f} |")
+    last = [r["steps"][-1] for r in results]
+    read = sum(r["optimizer_read"] for r in last)
+    written = sum(r["optimizer_written"] for r in last)
+    achieved = (read + written) / statistics.median(max(r["steps"][i]["optimizer_s"] for r in results)
+                                                   for i in range(args.steps)) / 1e9
+    report["optimizer_gbs"] = achieved
+    if bandwidth is not None:
+        best_read, best_write = bandwidth
+        disk = (read + written) / 1e9 / (read / 1e9 / best_read + written / 1e9 / best_write)
+        report.update(disk_read_gbs=best_read, disk_write_gbs=best_write, disk_mixed_gbs=disk)
+        print(f"optimizer NVMe traffic {achieved:.2f} GB/s (median step) vs the disk's {disk:.2f} GB/s for this mix "
+              f"(ds-nvme-tune: read {best_read:.2f}, write {best_write:.2f} GB/s): {achieved / disk:.0%}")
+    else:
+        print(f"optimizer NVMe traffic {achieved:.2f} GB/s (median step); give --tune-log for the disk's")
+    for rank, r in enumerate(results):
+        print(f"rank {rank}: peak RSS {r['peak_rss'] / 2**30:.2f} GiB (after Init {r['rss_after_init'] / 2**30:.2f}); "
+              f"ds-zero holds {sum(v for k, v in r['memory'].items() if k != 'nvme') / 2**30:.2f} GiB in RAM "
+              f"({', '.join(f'{k} {v / 2**30:.2f}' for k, v in r['memory'].items())} GiB)")
+    losses = [r["loss"] for r in results[0]["steps"]]
+    print(f"loss {' -> '.join(f'{x:.4f}' for x in losses)}: {'fell' if losses[-1] < losses[0] else 'DID NOT FALL'}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+
+
+def _ram_bytes() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+if __name__ == "__main__":
+    main()
