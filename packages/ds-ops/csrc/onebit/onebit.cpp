@@ -7,9 +7,9 @@
 //
 // The results are exactly those of the PyTorch reference (ds_comm's torch path) for the same
 // scales: a sign is `w >= 0`, an error is `previous - (+-scale)`, a value `x + error` and an average
-// `((+-s0 +-s1) ...) / world + error`, the same float32 operations in the same order. Only the scales' sums of squares are
-// summed in another order (both in double, from exact float32 squares), so a scale could differ in
-// its last bit in rare cases; in the tests they are identical. The op is built with
+// `((+-s0 +-s1) ...) / world + error`, the same float32 operations in the same order. Only the
+// scales' sums of squares are summed in another order (both in double, from exact float32 squares),
+// so a scale could differ in its last bit in rare cases; in the tests they are identical. The op is built with
 // -ffp-contract=off: a multiply and an add fused into one rounding would not be the reference's.
 #include "onebit.h"
 
@@ -140,12 +140,24 @@ struct SquareSum {
 
 inline int64_t byte_of(int64_t i) { return i >> 3; }  // the byte of element i's sign (i >= 0)
 
+// Software prefetch this many elements (4 KiB of floats) ahead of the loop, one cache line per stream
+// per 16 elements. The hardware prefetchers alone leave the one-pass loops 20-30 % below a plain
+// read-modify-write over the same streams here (their work per element keeps fewer loads in
+// flight); with it, about 10 % (compress) and at it (average).
+constexpr int64_t kPrefetchAhead = 1024;
+inline void prefetch(const float* p) { __builtin_prefetch(p, 0, 3); }
+
 // The worker's values: w = x + e, with x read as 0 from element n on, where e, the error of the
 // last compression, is recomputed from the state: e = previous - (+-scale of the previous).
 struct WorkerValues {
   const float* x;
   const float* previous;
   int64_t n;
+  int64_t total;  // elements of previous
+  void prefetch_ahead(int64_t i) const {
+    if (i + kPrefetchAhead < n) prefetch(x + i + kPrefetchAhead);
+    if (i + kPrefetchAhead < total) prefetch(previous + i + kPrefetchAhead);
+  }
   Eight at(int64_t i, const Scale& previous_scale) const {
     const Eight e = Eight::load(previous + i).minus_signed(previous_scale);
     if (i + 8 <= n) return Eight::load(x + i) + e;
@@ -168,6 +180,10 @@ struct AverageValues {
   const Scale* scales;  // one per rank
   int64_t world;
   const float* previous;
+  int64_t total;  // elements of previous (one chunk)
+  void prefetch_ahead(int64_t i) const {
+    if (i + kPrefetchAhead < total) prefetch(previous + i + kPrefetchAhead);
+  }
   Eight at(int64_t i, const Scale& previous_scale) const {
     const int64_t byte = byte_of(i);
     Eight sum = Eight::signed_scale(frames[byte], scales[0]);
@@ -225,6 +241,7 @@ void compress(const Values& values, float* previous, float* scales, int64_t chun
           float* out = previous;
           SquareSum a, b;  // two chains, so the adds wait on memory, not on each other
           for (; i + 16 <= end; i += 16) {
+            v.prefetch_ahead(i);
             const Eight w0 = v.at(i, previous_scale), w1 = v.at(i + 8, previous_scale);
             bits[byte_of(i)] = w0.signs();
             bits[byte_of(i) + 1] = w1.signs();
@@ -261,7 +278,7 @@ void onebit_compress(int64_t x, int64_t n, int64_t values, int64_t scales, int64
   check_chunk("onebit_compress", chunks, chunk);
   if (n < 0 || n > chunks * chunk)
     throw std::invalid_argument("onebit_compress: n must be in [0, chunks * chunk], got " + std::to_string(n));
-  const WorkerValues w{as_ptr<const float>(x), as_ptr<const float>(values), n};
+  const WorkerValues w{as_ptr<const float>(x), as_ptr<const float>(values), n, chunks * chunk};
   compress(w, as_ptr<float>(values), as_ptr<float>(scales), chunks, chunk, as_ptr<uint8_t>(frames), num_threads);
 }
 
@@ -276,14 +293,14 @@ void onebit_average(int64_t frames, int64_t world, int64_t chunk, int64_t values
   float* previous_scale = as_ptr<float>(scale);
   uint8_t* out = as_ptr<uint8_t>(out_frame);
   if (world == 2) {
-    compress(AverageValues<true, 2>{in, stride, scales.data(), world, previous}, previous, previous_scale, 1, chunk,
-             out, num_threads);
+    compress(AverageValues<true, 2>{in, stride, scales.data(), world, previous, chunk}, previous, previous_scale, 1,
+             chunk, out, num_threads);
   } else if ((world & (world - 1)) == 0) {
-    compress(AverageValues<true, 0>{in, stride, scales.data(), world, previous}, previous, previous_scale, 1, chunk,
-             out, num_threads);
+    compress(AverageValues<true, 0>{in, stride, scales.data(), world, previous, chunk}, previous, previous_scale, 1,
+             chunk, out, num_threads);
   } else {
-    compress(AverageValues<false, 0>{in, stride, scales.data(), world, previous}, previous, previous_scale, 1, chunk,
-             out, num_threads);
+    compress(AverageValues<false, 0>{in, stride, scales.data(), world, previous, chunk}, previous, previous_scale, 1,
+             chunk, out, num_threads);
   }
 }
 
