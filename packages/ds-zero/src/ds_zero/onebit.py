@@ -30,7 +30,10 @@ alone, the optimizer averages the gradients itself when it needs them averaged:
     optimizer.step()         # averages (warm-up) or compresses (after) over the process group
 
 The error-feedback buffers are each rank's own: `state_dict` holds them (and ds-zero's checkpoints save
-them per rank); loaded on another world size they restart at zero, as the reference always does.
+them per rank); loaded on another world size they restart at zero, as the reference always does. They are
+ds-comm's error states as `ds_comm.compressed_allreduce` keeps them (the values last compressed, then their
+chunks' scales; the error is each value minus ±its scale), saved and restored as they are; a saved state
+of another size (other parameters, or one holding the errors themselves) is refused.
 """
 
 from __future__ import annotations
