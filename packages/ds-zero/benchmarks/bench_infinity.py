@@ -11,12 +11,13 @@ rank, the same batch every step (the loss must fall), AdamW.
 
 Prints per step: seconds, the optimizer step's seconds, the loss, the bytes read and written (the
 optimizer's, and the parameter fetches of forward and backward); the optimizer's NVMe bandwidth
-(both ranks' bytes over the slower rank's step time) against the disk's, from ``ds-nvme-tune``'s
-log (``--tune-log DIR/ds_nvme_tune.json``: its best read and write GB/s, combined for the step's mix
-of reads and writes); peak RSS per rank. ``--json PATH`` writes the same figures.
+(both ranks' bytes over the slower rank's step time) against the disk's, measured by ``ds-nvme-tune``
+in the same run, before and after training (this VM's disk drifts by 30 % within the hour): its best
+read and write GB/s, averaged over the two runs, combined for the step's mix of reads and writes;
+peak RSS per rank. The handle runs with the first tuning's recommended ``aio`` block (``--aio FILE``
+gives one instead). ``--json PATH`` writes the same figures.
 
-    ds-nvme-tune --nvme_dir /tmp/tune --log_dir /tmp/tune --output /tmp/tune/aio.json
-    python benchmarks/bench_infinity.py --tune-log /tmp/tune/ds_nvme_tune.json --aio /tmp/tune/aio.json
+    python benchmarks/bench_infinity.py [--nvme-path DIR] [--steps 3] [--json out.json]
 
 It needs about 24 GB free under ``--nvme-path`` (checked before anything is written) and takes
 minutes per step: a benchmark, not a test (the tests run a scaled-down version:
@@ -30,6 +31,8 @@ import json
 import resource
 import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -79,7 +82,7 @@ def parameter_count(vocab: int, d: int, layers: int, seq: int) -> int:
 
 
 def ds_config(args, path: str) -> dict:
-    aio = json.loads(Path(args.aio).read_text()).get("aio", {}) if args.aio else {}
+    aio = json.loads(Path(args.aio).read_text()).get("aio", {}) if args.aio else args.tuned_aio
     return {"train_micro_batch_size_per_gpu": 1, "aio": aio, "zero_optimization": {
         "stage": 3, "sub_group_size": int(args.sub_group_size),
         "stage3_max_live_parameters": int(args.max_live), "stage3_prefetch_bucket_size": int(args.max_live // 2),
@@ -125,13 +128,25 @@ def run(rank: int, world_size: int, args, path: str) -> dict:
             "rss_after_init": rss_built, "peak_rss": _rss()}
 
 
-def disk_bandwidth(tune_log: str | None) -> tuple[float, float] | None:
-    """ds-nvme-tune's best read and write GB/s, from its ``--log_dir`` JSON."""
-    if not tune_log:
-        return None
-    rows = json.loads(Path(tune_log).read_text())["results"]
-    read = max(v for r in rows for v in (r["read_gbps"], r["buffered_read_gbps"]) if v is not None)
-    return read, max(r["write_gbps"] for r in rows if r["write_gbps"] is not None)
+# a short sweep (4 configurations, 1 GiB each: about 30 s) around what the default sweep found best here
+SWEEP = {"block_size": ["1M", "8M"], "queue_depth": [32], "intra_op_parallelism": [1, 2], "overlap_events": [True]}
+
+
+def tune_disk(directory: str) -> tuple[float, float, dict]:
+    """``ds-nvme-tune`` on ``directory``: its best read and write GB/s and its recommended ``aio`` block."""
+    work = Path(tempfile.mkdtemp(prefix="tune_", dir=directory))
+    try:
+        (work / "sweep.json").write_text(json.dumps(SWEEP))
+        command = shutil.which("ds-nvme-tune") or str(Path(sys.executable).with_name("ds-nvme-tune"))
+        subprocess.run([command, "--nvme_dir", str(work), "--log_dir", str(work), "--io_size", "1G",
+                        "--sweep_config", str(work / "sweep.json"), "--output", str(work / "aio.json")],
+                       check=True, stdout=subprocess.DEVNULL)
+        rows = json.loads((work / "ds_nvme_tune.json").read_text())["results"]
+        read = max(v for r in rows for v in (r["read_gbps"], r["buffered_read_gbps"]) if v is not None)
+        write = max(r["write_gbps"] for r in rows if r["write_gbps"] is not None)
+        return read, write, json.loads((work / "aio.json").read_text())["aio"]
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def main() -> None:
@@ -146,8 +161,7 @@ def main() -> None:
     parser.add_argument("--sub-group-size", type=float, default=1e7, help="elements per optimizer chunk")
     parser.add_argument("--max-live", type=float, default=1e8, help="stage3_max_live_parameters")
     parser.add_argument("--nvme-path", default=tempfile.gettempdir(), help="a fresh directory is made under it")
-    parser.add_argument("--aio", help="a JSON file with an \"aio\" block (ds-nvme-tune --output)")
-    parser.add_argument("--tune-log", help="ds-nvme-tune's ds_nvme_tune.json (--log_dir): the disk's bandwidth")
+    parser.add_argument("--aio", help="a JSON file with an \"aio\" block (default: what ds-nvme-tune recommends)")
     parser.add_argument("--timeout", type=float, default=3600.0)
     parser.add_argument("--json", help="write the figures here too")
     args = parser.parse_args()
@@ -157,13 +171,19 @@ def main() -> None:
     print(f"GPT {numel / 1e9:.2f}B parameters (d_model {args.d_model}, {args.layers} layers, vocab {args.vocab}), "
           f"fp32 Adam model states {states / 1e9:.1f} GB vs {ram / 2**30:.1f} GiB of RAM; 2 ranks, 1 x {args.seq} "
           "tokens per rank, parameters and optimizer on NVMe", flush=True)
+    before = tune_disk(args.nvme_path)
+    args.tuned_aio = before[2]
+    print(f"ds-nvme-tune before: read {before[0]:.2f} GB/s, write {before[1]:.2f} GB/s", flush=True)
     path = tempfile.mkdtemp(prefix="ds_infinity_", dir=args.nvme_path)
     try:
         results = spawn(run, world_size=2, args=(args, path), timeout=args.timeout)
     finally:
         shutil.rmtree(path, ignore_errors=True)
-    bandwidth = disk_bandwidth(args.tune_log)
-    report = {"parameters": numel, "model_state_bytes": states, "ram_bytes": ram, "ranks": results}
+    after = tune_disk(args.nvme_path)
+    print(f"ds-nvme-tune after: read {after[0]:.2f} GB/s, write {after[1]:.2f} GB/s", flush=True)
+    bandwidth = ((before[0] + after[0]) / 2, (before[1] + after[1]) / 2)
+    report = {"parameters": numel, "model_state_bytes": states, "ram_bytes": ram, "ranks": results,
+              "aio": args.tuned_aio if not args.aio else args.aio, "tune_before": before[:2], "tune_after": after[:2]}
     print(f"init (build under Init, slices to NVMe): {max(r['init_s'] for r in results):.1f} s; ZeroOptimizer "
           f"(layout, states to NVMe): {max(r['setup_s'] for r in results):.1f} s")
     print("| step | s | optimizer s | loss | optimizer read GB | written GB | fetch read GB | optimizer GB/s |")
@@ -181,14 +201,12 @@ def main() -> None:
     achieved = (read + written) / statistics.median(max(r["steps"][i]["optimizer_s"] for r in results)
                                                    for i in range(args.steps)) / 1e9
     report["optimizer_gbs"] = achieved
-    if bandwidth is not None:
-        best_read, best_write = bandwidth
-        disk = (read + written) / 1e9 / (read / 1e9 / best_read + written / 1e9 / best_write)
-        report.update(disk_read_gbs=best_read, disk_write_gbs=best_write, disk_mixed_gbs=disk)
-        print(f"optimizer NVMe traffic {achieved:.2f} GB/s (median step) vs the disk's {disk:.2f} GB/s for this mix "
-              f"(ds-nvme-tune: read {best_read:.2f}, write {best_write:.2f} GB/s): {achieved / disk:.0%}")
-    else:
-        print(f"optimizer NVMe traffic {achieved:.2f} GB/s (median step); give --tune-log for the disk's")
+    best_read, best_write = bandwidth
+    disk = (read + written) / 1e9 / (read / 1e9 / best_read + written / 1e9 / best_write)
+    report.update(disk_read_gbs=best_read, disk_write_gbs=best_write, disk_mixed_gbs=disk)
+    print(f"optimizer NVMe traffic {achieved:.2f} GB/s (median step) vs the disk's {disk:.2f} GB/s for this mix "
+          f"(ds-nvme-tune, mean of before and after: read {best_read:.2f}, write {best_write:.2f} GB/s): "
+          f"{achieved / disk:.0%}")
     for rank, r in enumerate(results):
         print(f"rank {rank}: peak RSS {r['peak_rss'] / 2**30:.2f} GiB (after Init {r['rss_after_init'] / 2**30:.2f}); "
               f"ds-zero holds {sum(v for k, v in r['memory'].items() if k != 'nvme') / 2**30:.2f} GiB in RAM "

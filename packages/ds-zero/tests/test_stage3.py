@@ -300,6 +300,14 @@ def nvme_refusals(rank, world_size, path):
             "device": "nvme", "nvme_path": str(Path(path) / "file" / "sub")}})
     except OSError as e:
         out.append(str(e))
+    try:  # refused after the files were made (CPU Adam only): they go with the half-built optimizer
+        ZeroOptimizer(TinyGPT(), torch.optim.SGD, optimizer_kwargs={"lr": 0.1}, config=config)
+    except ValueError as e:
+        out.append(str(e))
+    import gc
+
+    gc.collect()  # the exception (and the frame of the half-built optimizer) is gone
+    out[-1] += f" | left: {[p.name for p in Path(path).glob('ds_zero_optimizer_*')]}"
     real = shutil.disk_usage
     shutil.disk_usage = lambda p: real(p)._replace(free=1000)  # a disk with 1000 bytes left
     try:
@@ -321,11 +329,13 @@ def nvme_refusals(rank, world_size, path):
 def test_an_unwritable_or_full_nvme_path_is_an_error_before_training(tmp_path):
     (tmp_path / "file").write_text("not a directory")
     for messages in spawn(nvme_refusals, world_size=2, args=(str(tmp_path),)):
-        assert len(messages) == 3, messages
+        assert len(messages) == 4, messages
         assert f"nvme_path '{tmp_path}/file/sub' is not a writable directory" in messages[0], messages[0]
-        assert f"nvme_path '{tmp_path}' has 1000 bytes free" in messages[1] and "bytes (" in messages[1], messages[1]
+        assert "offload_optimizer steps Adam or AdamW" in messages[1] and messages[1].endswith("| left: []"), \
+            messages[1]
+        assert f"nvme_path '{tmp_path}' has 1000 bytes free" in messages[2] and "bytes (" in messages[2], messages[2]
         assert f"nvme_path '{tmp_path}' has 1000 bytes free; ds_zero.Init(remote_device='nvme') needs " \
-               "4096 bytes more for a slice of a (64, 32) parameter" in messages[2], messages[2]
+               "4096 bytes more for a slice of a (64, 32) parameter" in messages[3], messages[3]
 
 
 class Checkpointed(nn.Module):

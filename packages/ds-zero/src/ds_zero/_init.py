@@ -31,7 +31,7 @@ import ds_comm
 from ds_io import AioConfig, TensorSwapper
 
 from ._model import gather_init_partitioned, init_shard, is_init_partitioned
-from ._nvme import check_nvme_path
+from ._nvme import check_nvme_path, remove_swap_directory
 from ._precision import DTYPES
 from ._stage3 import EXTERNAL, units_of
 from .config import BF16Config, FP16Config, ZeroConfig, mixed_precision
@@ -154,7 +154,7 @@ class _NvmeShards:
         self.root = check_nvme_path(nvme_path, 0, "ds_zero.Init(remote_device='nvme')")
         self.directory = self.root / f"ds_zero_init_rank{rank}_{os.getpid()}_{uuid.uuid4().hex[:8]}"
         self.swapper = TensorSwapper(self.directory, aio)
-        self._finalizer = weakref.finalize(self, _remove, self.swapper, self.directory)
+        self._finalizer = weakref.finalize(self, remove_swap_directory, self.swapper, self.directory)
         self._keys = 0
         self.bytes = 0  # on disk now
 
@@ -179,13 +179,6 @@ class _NvmeShards:
     def release(self, p: torch.Tensor) -> None:
         self.bytes -= self.swapper.path_of(p.ds_init_key).stat().st_size
         self.swapper.release([p.ds_init_key])
-
-
-def _remove(swapper: TensorSwapper, directory: Path) -> None:
-    try:
-        swapper.close()
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
 
 
 def _load(config: Any) -> dict | None:

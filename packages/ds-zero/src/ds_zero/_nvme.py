@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import shutil
 import uuid
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +67,8 @@ class NvmeOptimizer:
         self.directory = root / f"ds_zero_optimizer_rank{rank}_{os.getpid()}_{uuid.uuid4().hex[:8]}"
         aio_config = aio if isinstance(aio, AioConfig) else AioConfig.from_section_or_ds_config(aio)
         self.swapper = TensorSwapper(self.directory, aio_config)
+        # the files go with this object (a constructor that failed after it, a process that ends without close())
+        self._remove = weakref.finalize(self, remove_swap_directory, self.swapper, self.directory)
         self.pipeline_read, self.pipeline_write = pipeline_read, pipeline_write
         sets = 2 if (pipeline_read or pipeline_write) and len(self.chunks) > 1 else 1
         largest = max(n for _, n in self.chunks)
@@ -191,7 +194,12 @@ class NvmeOptimizer:
 
     def close(self) -> None:
         """Finish the I/O and remove the files."""
-        try:
-            self.swapper.close()
-        finally:
-            shutil.rmtree(self.directory, ignore_errors=True)
+        self._remove()
+
+
+def remove_swap_directory(swapper: TensorSwapper, directory: Path) -> None:
+    """Finish ``swapper``'s I/O and remove its directory."""
+    try:
+        swapper.close()
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
