@@ -7,6 +7,7 @@ time per step is the median of steps 3..N. Prints time per step, the ratio to DD
 bytes and peak RSS per rank; ``--json PATH`` writes the same figures.
 
     python benchmarks/bench_zero.py [--steps 20] [--gas 1 4] [--precision fp32 bf16] [--rounds 1] [--json out.json]
+    python benchmarks/bench_zero.py --interleaved --kinds ddp fsdp2 zero-3 zero-3-offload --steps 12
 
 bf16: DDP runs the float32 model under ``torch.autocast("cpu", torch.bfloat16)`` (what a PyTorch user
 would do); ds-zero runs the model in bfloat16 with a float32 master copy (``bf16.enabled``), as
@@ -77,9 +78,9 @@ def _state_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t) and t.dim() > 0)
 
 
-def run(rank: int, world_size: int, kind: str, gas: int, steps: int, bucket: int | None, precision: str,
-        nvme_path: str | None = None) -> dict:
-    torch.set_num_threads(1)
+def _build(rank: int, world_size: int, kind: str, gas: int, bucket: int | None, precision: str,
+           nvme_path: str | None):
+    """A fresh model trained the way ``kind`` says: its ``train_step(step)`` and ``state()`` (bytes)."""
     torch.manual_seed(0)
     model = GPT()
     adamw = {"lr": 1e-4, "weight_decay": 0.01}
@@ -162,6 +163,13 @@ def run(rank: int, world_size: int, kind: str, gas: int, steps: int, bucket: int
         def state() -> int:
             b = zero.memory_bytes()
             return b["params"] + b["grads"] + b["master"] + b["optimizer"]
+    return train_step, state
+
+
+def run(rank: int, world_size: int, kind: str, gas: int, steps: int, bucket: int | None, precision: str,
+        nvme_path: str | None = None) -> dict:
+    torch.set_num_threads(1)
+    train_step, state = _build(rank, world_size, kind, gas, bucket, precision, nvme_path)
     times = []
     for step in range(steps):
         ds_comm.barrier()
@@ -170,6 +178,42 @@ def run(rank: int, world_size: int, kind: str, gas: int, steps: int, bucket: int
         times.append(time.perf_counter() - start)
     return {"times": times, "state_bytes": state(),
             "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+
+def run_interleaved(rank: int, world_size: int, kinds: list[str], gas: int, steps: int, precision: str,
+                    nvme_path: str | None) -> dict[str, list[float]]:
+    """Every configuration on its own copy of the model in one process pair, their steps alternating
+    (the order rotating each step): drift hits them all alike."""
+    torch.set_num_threads(1)
+    built = {kind: _build(rank, world_size, kind, gas, None, precision, nvme_path)[0] for kind in kinds}
+    times: dict[str, list[float]] = {kind: [] for kind in kinds}
+    for step in range(steps):
+        for kind in kinds[step % len(kinds):] + kinds[:step % len(kinds)]:
+            ds_comm.barrier()
+            start = time.perf_counter()
+            built[kind](step)
+            times[kind].append(time.perf_counter() - start)
+    return times
+
+
+def interleaved(args: argparse.Namespace) -> None:
+    """``--interleaved``: the median over steps 3.. of each configuration's time / DDP's in the same step."""
+    kinds = ["ddp", *[k for k in args.kinds if k != "ddp"]]
+    scratch = tempfile.TemporaryDirectory(prefix="bench_zero_nvme_")
+    for precision in args.precision:
+        results = spawn(run_interleaved, world_size=2, args=(kinds, args.gas[0], args.steps, precision,
+                                                             args.nvme_path or scratch.name), timeout=3600)
+        per_step = {k: [max(r[k][i] for r in results) for i in range(args.steps)][2:] for k in kinds}
+        rows = [{"precision": precision, "kind": k, "s_per_step": statistics.median(per_step[k]),
+                 "ratio_to_ddp": statistics.median(a / b for a, b in zip(per_step[k], per_step["ddp"], strict=True))}
+                for k in kinds]
+        print(f"\ninterleaved, {precision}, gas {args.gas[0]}, steps 3..{args.steps} (the ratio: median of same-step "
+              "ratios)\n| config | s/step | vs DDP |\n|---|---|---|")
+        for row in rows:
+            print(f"| {row['kind']} | {row['s_per_step']:.3f} | {row['ratio_to_ddp']:.3f}x |")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"mode": "interleaved", "steps": args.steps, "rows": rows}, f, indent=2)
 
 
 KINDS = ["ddp", "torch-zero1", "zero-0", "zero-1", "zero-2", "zero-2-offload", "fsdp2", "zero-3", "zero-3-offload",
@@ -208,6 +252,8 @@ def main() -> None:
     parser.add_argument("--nvme-path", default=None, help="directory for zero-3-nvme's optimizer states (default: "
                         "a temporary directory, removed afterwards)")
     parser.add_argument("--force-bf16", action="store_true", help="time bf16 even where bf16 matmuls are emulated")
+    parser.add_argument("--interleaved", action="store_true", help="every configuration in one process pair, steps "
+                        "alternating: ratios to DDP free of this machine's drift (no peak RSS: shared processes)")
     args = parser.parse_args()
     if args.steps < 4:
         parser.error("--steps must be >= 4 (steps 3.. are timed)")
@@ -217,6 +263,9 @@ def main() -> None:
               "bf16: torch emulates it), so both DDP under autocast and ds-zero would time the emulation; "
               "--force-bf16 times them anyway", flush=True)
         args.precision = [p for p in args.precision if p != "bf16"]
+    if args.interleaved:
+        interleaved(args)
+        return
     psi = sum(p.numel() for p in GPT().parameters())
     print(f"GPT {psi / 1e6:.1f}M parameters, micro-batch {MICRO_BATCH}x{SEQ}, 2 ranks x 1 thread, gloo, "
           f"AdamW; {args.steps} steps, median of steps 3..{args.steps}, {args.rounds} round(s); ds-zero "
