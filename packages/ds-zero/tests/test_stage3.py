@@ -307,7 +307,7 @@ def nvme_refusals(rank, world_size, path):
     import gc
 
     gc.collect()  # the exception (and the frame of the half-built optimizer) is gone
-    out[-1] += f" | left: {[p.name for p in Path(path).glob('ds_zero_optimizer_*')]}"
+    out[-1] += f" | left: {[p.name for p in Path(path).glob(f'ds_zero_optimizer_rank{rank}_*')]}"  # its own
     real = shutil.disk_usage
     shutil.disk_usage = lambda p: real(p)._replace(free=1000)  # a disk with 1000 bytes left
     try:
