@@ -18,12 +18,15 @@ from ds_comm.testing import RankFailed, spawn
 SAVE_AT, STEPS = 3, 6
 
 
-def _config(stage: int, **extra) -> dict:
+def _config(stage: int, nvme: str | None = None, **extra) -> dict:
+    """``nvme``: ZeRO-Infinity's directory (stage 3: the optimizer's states and the parameters in files)."""
+    infinity = {"sub_group_size": 100, "offload_optimizer": {"device": "nvme", "nvme_path": nvme},
+                "offload_param": {"device": "nvme", "nvme_path": nvme}} if nvme else {}
     return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "steps_per_print": 1000,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
             "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 1e-2, "warmup_num_steps": 4,
                                                          "warmup_type": "linear"}},
-            "zero_optimization": {"stage": stage, "reduce_bucket_size": 200,
+            "zero_optimization": {"stage": stage, "reduce_bucket_size": 200, **infinity,
                                   **({"stage3_param_persistence_threshold": 0} if stage == 3 else {})}, **extra}
 
 
@@ -49,8 +52,8 @@ def _train(engine, batches, until: int) -> list[float]:
     return losses
 
 
-def first_run(rank, world_size, path, stage, async_save=False):
-    engine, _, loader, _ = ds_all.initialize(model=_model(), config=_config(stage), training_data=_data())
+def first_run(rank, world_size, path, stage, async_save=False, nvme=None):
+    engine, _, loader, _ = ds_all.initialize(model=_model(), config=_config(stage, nvme), training_data=_data())
     batches = iter(loader)
     _train(engine, batches, SAVE_AT)
     engine.save_checkpoint(path, client_state={"epoch": 3, "note": "hi", "ema": torch.arange(3.0)},
@@ -61,8 +64,9 @@ def first_run(rank, world_size, path, stage, async_save=False):
     return losses, weights
 
 
-def resumed_run(rank, world_size, path, stage):
-    engine, _, loader, _ = ds_all.initialize(model=_model(seed=99), config=_config(stage), training_data=_data())
+def resumed_run(rank, world_size, path, stage, nvme=None):
+    engine, _, loader, _ = ds_all.initialize(model=_model(seed=99), config=_config(stage, nvme),
+                                             training_data=_data())
     loaded, client = engine.load_checkpoint(path)
     assert engine.global_steps == SAVE_AT
     losses = _train(engine, iter(loader), STEPS)  # the pass resumes where the checkpoint left it
@@ -72,12 +76,14 @@ def resumed_run(rank, world_size, path, stage):
     return losses, weights, os.path.basename(loaded), {**client, "ema": client["ema"].tolist()}, lr
 
 
-@pytest.mark.parametrize("stage, async_save", [(0, False), (2, False), (3, False), (2, True)])
-def test_a_resumed_run_continues_bit_for_bit(tmp_path, stage, async_save):
-    """async_save: the checkpoint holds the state at the call, though training went on while it was written."""
-    path = str(tmp_path / "ck")
-    first = spawn(first_run, world_size=2, args=(path, stage, async_save))
-    second = spawn(resumed_run, world_size=2, args=(path, stage))
+@pytest.mark.parametrize("stage, async_save, infinity", [(0, False, False), (2, False, False), (3, False, False),
+                                                         (2, True, False), (3, True, True)])
+def test_a_resumed_run_continues_bit_for_bit(tmp_path, stage, async_save, infinity):
+    """async_save: the checkpoint holds the state at the call, though training went on while it was written
+    (with ZeRO-Infinity, whose states are on NVMe, the save is synchronous)."""
+    path, nvme = str(tmp_path / "ck"), str(tmp_path / "nvme") if infinity else None
+    first = spawn(first_run, world_size=2, args=(path, stage, async_save, nvme))
+    second = spawn(resumed_run, world_size=2, args=(path, stage, nvme))
     for (losses, weights), (resumed_losses, resumed_weights, tag, client, lr) in zip(first, second, strict=True):
         assert resumed_losses == losses and len(losses) == (STEPS - SAVE_AT) * 2
         assert resumed_weights == weights

@@ -34,6 +34,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from ._model import param_name
+from ._nvme import STATES
+from ._nvme_checkpoint import NvmeEntries
 
 if TYPE_CHECKING:
     from ._optimizer import ZeroOptimizer
@@ -145,9 +147,12 @@ def _master(zero: ZeroOptimizer) -> torch.Tensor:
 
 def _tensor_states(zero: ZeroOptimizer) -> tuple[list[str], list[str]]:
     """The inner optimizer's state keys: those holding a tensor the size of its stepped tensor (sharded
-    per parameter), and the others (scalars, kept once)."""
+    per parameter), and the others (scalars, kept once). ZeRO-Infinity's Adam states are in its files,
+    its step count in the optimizer's state."""
     if not zero.optimizer.state:
         return [], []
+    if zero._nvme is not None:
+        return list(STATES), ["step"]
     state = zero.optimizer.state[zero._step_params[0]]
     numel = zero._step_params[0].numel()
     sized = sorted(k for k, v in state.items() if torch.is_tensor(v) and v.dim() > 0 and v.numel() == numel)
@@ -156,30 +161,44 @@ def _tensor_states(zero: ZeroOptimizer) -> tuple[list[str], list[str]]:
 
 
 def _piece_entries(zero: ZeroOptimizer, sized: list[str], skip: set[str] = frozenset(),
-                   copy: bool = False) -> dict[str, ShardedTensor]:
+                   copy: bool = False, lazy: NvmeEntries | None = None) -> dict[str, ShardedTensor]:
     """``master/<name>`` and ``optim/<key>/<name>`` for every parameter but ``skip``: ShardedTensors whose
     local shard is a view of this rank's piece (nothing, where it holds none; ``copy``: a copy of it).
-    DCP reads them to save and writes into them to load."""
+    DCP reads them to save and writes into them to load. ``lazy`` (ZeRO-Infinity): the pieces on NVMe
+    are placeholders, registered there for its planners to move."""
     def view(t: torch.Tensor) -> torch.Tensor:
         return t.clone() if copy else t
 
     names, by_param, master = _names(zero), _pieces_by_param(zero), _master(zero)
-    dtypes = {key: zero.optimizer.state[zero._step_params[0]][key].dtype for key in sized}
-    views: dict[int, tuple[Any, int, torch.Tensor, dict[str, torch.Tensor]]] = {}
+    dtypes = {key: torch.float32 if lazy is not None else zero.optimizer.state[zero._step_params[0]][key].dtype
+              for key in sized}
+    views: dict[int, tuple[Any, int, torch.Tensor, dict[str, torch.Tensor], dict[str, tuple[str, int]]]] = {}
     for piece, in_master, in_step in _my_pieces(zero):
-        run, in_step = zero._step_position(piece.bucket, in_step)
-        state = zero.optimizer.state[zero._step_params[run]]
-        views[piece.index] = (piece.param_offset, piece.numel, view(master[in_master:in_master + piece.numel]),
-                              {key: view(state[key][in_step:in_step + piece.numel]) for key in sized})
+        n, on_disk = piece.numel, {}
+        if lazy is None:
+            run, in_step = zero._step_position(piece.bucket, in_step)
+            state = zero.optimizer.state[zero._step_params[run]]
+            weights = view(master[in_master:in_master + n])
+            states = {key: view(state[key][in_step:in_step + n]) for key in sized}
+        else:  # stage 3: the states' files are indexed by the partition's offsets, as the master copy
+            on_disk = {f"optim/{key}": (key, in_master) for key in sized}
+            if lazy.master_kind is not None:
+                on_disk["master"] = (lazy.master_kind, in_master)
+            weights = lazy.placeholder("master", in_master, n) if "master" in on_disk else \
+                view(master[in_master:in_master + n])
+            states = {key: lazy.placeholder(key, in_master, n) for key in sized}
+        views[piece.index] = (piece.param_offset, n, weights, states, on_disk)
     out, rank = {}, _world_rank(zero, zero.rank)
     for index, name in enumerate(names):
         if name in skip:
             continue
         numel, ranges = zero.layout.slots[index].numel, by_param[index]
-        start, _, weights, states = views.get(index, (0, 0, None, {}))
+        start, n, weights, states, on_disk = views.get(index, (0, 0, None, {}, {}))
         out[f"master/{name}"] = _sharded(weights, start, ranges, numel, torch.float32, rank)
         for key in sized:
             out[f"optim/{key}/{name}"] = _sharded(states.get(key), start, ranges, numel, dtypes[key], rank)
+        for entry, (kind, at) in on_disk.items():
+            lazy.add(f"{entry}/{name}", kind, at, n)
     return out
 
 
@@ -196,14 +215,21 @@ def _frozen_names(zero: ZeroOptimizer) -> list[str]:
     return [_saved_name(zero, name) for name, p in zero.model.named_parameters() if id(p) not in trainable]
 
 
+def _nvme_entries(zero: ZeroOptimizer) -> NvmeEntries | None:
+    return NvmeEntries(zero._nvme) if zero._nvme is not None else None
+
+
 def zero_state(zero: ZeroOptimizer, exclude_frozen_parameters: bool = False,
-               parts: _Parts | None = None, copy: bool = False) -> dict[str, Any]:
+               parts: _Parts | None = None, copy: bool = False, lazy: NvmeEntries | None = None) -> dict[str, Any]:
     """This rank's part of the checkpoint as a DCP state dict (see the module docstring); ``parts``:
     what every group holds, when ``zero``'s group is not the whole world (`_parts`); ``copy``: copies
-    that training cannot change (what an asynchronous save writes), not views."""
-    zero._refuse_with_nvme("save_zero_checkpoint")
+    that training cannot change (what an asynchronous save writes), not views; ``lazy``: ZeRO-Infinity's
+    entries (`_nvme_entries`), whose planner reads their bytes from disk (no ``copy`` then)."""
+    if zero._nvme is not None and (lazy is None or copy):
+        raise ValueError("zero_state: ZeRO-Infinity's states are read from disk as they are written: pass "
+                         "lazy=_nvme_entries(zero) and its save_planner() to dcp.save, and no copy")
     sized, scalars = _tensor_states(zero)
-    out: dict[str, Any] = _piece_entries(zero, sized, parts.not_mine if parts is not None else set(), copy)
+    out: dict[str, Any] = _piece_entries(zero, sized, parts.not_mine if parts is not None else set(), copy, lazy)
     first = zero.optimizer.state[zero._step_params[0]] if scalars else {}
     for key in scalars:
         value = first[key]
@@ -298,14 +324,14 @@ def load_zero_state(zero: ZeroOptimizer, checkpoint_id: Any, meta: dict[str, Any
     (every rank calls it; DCP reads only the ranges this rank holds). ``strict=False``: parameters,
     buffers and frozen parameters on one side only are skipped (the model keeps its own values, and a
     parameter the checkpoint lacks starts with fresh optimizer states)."""
-    zero._refuse_with_nvme("load_zero_checkpoint")
     parts = _parts(zero)
+    lazy = _nvme_entries(zero)  # ZeRO-Infinity: the ranges read go to disk through its planner
     check_compatible(zero, meta, "ZeroOptimizer.load", strict, parts)
     saved_metadata = SafeReader(checkpoint_id).read_metadata().state_dict_metadata
     saved_keys = set(saved_metadata)
     sized = sorted({k.split("/")[1] for k in saved_keys if k.startswith("optim/")}) if load_optimizer else []
     scalars = sorted(k.split("/", 1)[1] for k in saved_keys if k.startswith("optim_scalar/")) if load_optimizer else []
-    for tensor in zero._step_params:  # states the optimizer has not made yet (it has not stepped)
+    for tensor in zero._step_params if lazy is None else ():  # states the optimizer has not made yet
         state = zero.optimizer.state[tensor]
         for key in sized:
             if key not in state:
@@ -321,7 +347,7 @@ def load_zero_state(zero: ZeroOptimizer, checkpoint_id: Any, meta: dict[str, Any
                 state = zero.optimizer.state[zero._step_params[run]]
                 wanted[f"optim/{key}/{name}"] = state[key][at:at + slot.numel]
     else:
-        wanted.update(_piece_entries(zero, sized))
+        wanted.update(_piece_entries(zero, sized, lazy=lazy))
     wanted = {key: value for key, value in wanted.items() if key in saved_keys}  # strict: every one of them
     scalar_values = {key: torch.zeros(()) for key in scalars}
     wanted.update({f"optim_scalar/{key}": value for key, value in scalar_values.items()})
@@ -331,7 +357,8 @@ def load_zero_state(zero: ZeroOptimizer, checkpoint_id: Any, meta: dict[str, Any
     wanted.update(extra or {})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
-        dcp.load(wanted, storage_reader=SafeReader(checkpoint_id))
+        dcp.load(wanted, storage_reader=SafeReader(checkpoint_id),
+                 planner=lazy.load_planner() if lazy is not None else None)
     for key, value in scalar_values.items():
         for tensor in zero._step_params:
             zero.optimizer.state[tensor][key] = value.clone()
@@ -348,6 +375,8 @@ def load_zero_state(zero: ZeroOptimizer, checkpoint_id: Any, meta: dict[str, Any
     if zero._master is not None:
         for copy, tensor in zip(zero._copies, zero._step_params, strict=True):
             copy.copy_(tensor.detach())
+    if zero._nvme is not None and zero._nvme.master:  # 16-bit parameters from the master copy on disk
+        zero._nvme.params_from_master(zero._flat if zero._nvme.param_dtype is None else None)
     zero._refresh_parameters()
 
 
@@ -364,12 +393,22 @@ def save_zero_checkpoint(zero: ZeroOptimizer, path: Any, *, extra: dict[str, Any
     files are written and fsynced; on rank 0, when every rank's are and DCP's metadata is): what
     is written is copied first, so training may go on. The group (of every rank, used by the writing
     thread only, e.g. ``torch.distributed.new_group(backend="gloo")``) keeps the background's
-    collectives apart from training's."""
+    collectives apart from training's. With ZeRO-Infinity (``offload_optimizer.device: nvme``) the
+    save is synchronous (its states are read from disk piece by piece as they are written; a copy
+    would need them in RAM) and the returned `Future` is done."""
     import json
     import os
 
     parts = _parts(zero, exclude_frozen_parameters)
-    state = zero_state(zero, exclude_frozen_parameters, parts, copy=async_group is not None)
+    lazy = _nvme_entries(zero)
+    if lazy is not None and async_group is not None:  # its states on disk would change under a background write
+        logger.info("save_zero_checkpoint: ZeRO-Infinity's states are read from NVMe as they are written; this "
+                    "save is synchronous")
+        async_group = None
+        done: Future | None = Future()
+    else:
+        done = None
+    state = zero_state(zero, exclude_frozen_parameters, parts, copy=async_group is not None, lazy=lazy)
     if extra:
         clash = sorted(set(state) & set(extra))
         if clash:
@@ -387,8 +426,10 @@ def save_zero_checkpoint(zero: ZeroOptimizer, path: Any, *, extra: dict[str, Any
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         if async_group is None:
-            dcp.save(state, storage_writer=writer)
-            return None
+            dcp.save(state, storage_writer=writer, planner=lazy.save_planner() if lazy is not None else None)
+            if done is not None:  # asked for asynchronously: already written
+                done.set_result(None)
+            return done
     state.update({k: v.detach().clone() for k, v in (extra or {}).items()})  # the caller's may change too
     # our own thread rather than dcp.async_save, whose staging walk and thread pool the caller waits for
     # (the 34M GPT's save blocked training 0.12-0.20 s with it, 0.09 s without); the state is copied already

@@ -168,19 +168,48 @@ class NvmeOptimizer:
                 write.wait()
             self._writes[which] = None
 
-    def write_master(self, start: int, values: torch.Tensor) -> None:
-        """Overwrite the master copy's elements ``[start, start + len(values))`` (GatheredParameters
-        changed them): read, patch and write each chunk they touch."""
-        end = start + values.numel()
-        buffer = self._buffers[0]["master"]
-        for i, (lo, n) in enumerate(self.chunks):
-            a, b = max(lo, start), min(lo + n, end)
-            if a >= b:
-                continue
-            key = self._keys(i)[0]
-            self.swapper.swap_in([key], out=[buffer[:n]]).wait()
-            buffer[a - lo:b - lo].copy_(values[a - start:b - start])
-            self.swapper.swap_out([buffer[:n]], keys=[key], offset=0).wait()
+    def _spans(self, start: int, n: int) -> list[tuple[int, int, int, int]]:
+        """Where elements ``[start, start + n)`` of the partition lie: (chunk, offset in the chunk, offset
+        in the range, length) for each chunk they touch."""
+        out = []
+        for i, (lo, m) in enumerate(self.chunks):
+            a, b = max(lo, start), min(lo + m, start + n)
+            if a < b:
+                out.append((i, a - lo, a - start, b - a))
+        return out
+
+    def read_range(self, kind: str, start: int, out: torch.Tensor) -> torch.Tensor:
+        """Elements ``[start, start + len(out))`` of ``kind`` (one of `kinds`, or ``"param"``: the
+        parameter partition on NVMe) read into ``out`` (checkpoints read one parameter's piece at a time)."""
+        if kind == "param":
+            self.start_read_params(start, out.numel(), out=out, fetch=False)[0].wait()
+            return out
+        for read in [self.swapper.swap_in([f"{kind}.{i}"], out=[out[at:at + m]], offset=offset * 4)
+                     for i, offset, at, m in self._spans(start, out.numel())]:
+            read.wait()
+        return out
+
+    def write_range(self, kind: str, start: int, values: torch.Tensor) -> None:
+        """Overwrite elements ``[start, start + len(values))`` of ``kind`` (as `read_range`) in place:
+        GatheredParameters' changes to the master copy, a checkpoint's pieces."""
+        values = values.reshape(-1)
+        if kind == "param":
+            self.write_params(start, values)
+            return
+        for write in [self.swapper.swap_out([values[at:at + m].contiguous()], keys=[f"{kind}.{i}"], offset=offset * 4)
+                      for i, offset, at, m in self._spans(start, values.numel())]:
+            write.wait()
+
+    def params_from_master(self, partition: torch.Tensor | None) -> None:
+        """The 16-bit parameters rounded from the master copy on NVMe (a checkpoint loaded into it), into
+        ``partition`` (in RAM), or into their file when it is None (on NVMe too)."""
+        buffers = self._buffers[0]
+        for i, (start, n) in enumerate(self.chunks):
+            self.swapper.swap_in([self._keys(i)[0]], out=[buffers["master"][:n]]).wait()
+            if partition is not None:
+                partition[start:start + n].copy_(buffers["master"][:n])
+            else:
+                self.write_params(start, buffers["param"][:n].copy_(buffers["master"][:n]))
 
     def read_all(self) -> dict[str, torch.Tensor]:
         """Every kind's whole partition read back (tests, checkpoints)."""

@@ -472,9 +472,9 @@ class ZeroOptimizer(Reduction, State):
     # ------------------------------------------------------------------------------------ internals
     def _refuse_with_nvme(self, what: str) -> None:
         if self._nvme is not None:
-            raise NotImplementedError(f"ZeroOptimizer.{what} with offload_optimizer.device 'nvme' is not implemented "
-                                      f"yet in ds-zero {version()}: its states are in files under "
-                                      f"{self._nvme.directory}; checkpoint with offload 'cpu'")
+            raise NotImplementedError(f"ZeroOptimizer.{what} with offload_optimizer.device 'nvme': its states are in "
+                                      f"files under {self._nvme.directory}, larger than RAM may hold; use "
+                                      "save_zero_checkpoint / load_zero_checkpoint, which stream them")
 
     def _refuse_what_is_not_implemented(self) -> None:
         config = self.config
@@ -590,7 +590,7 @@ class ZeroOptimizer(Reduction, State):
         if self._master is not None:
             self._master[start:start + values.numel()].copy_(values)
         elif self._nvme is not None and self._nvme.master:
-            self._nvme.write_master(start, values.float())
+            self._nvme.write_range("master", start, values.float())
 
     def _refresh_parameters(self) -> None:
         """After the stepped part changed: every rank's shards into the parameters (stages 1-2), or
