@@ -221,6 +221,47 @@ def test_init_builds_partitioned_and_gathered_parameters_round_trip():
         assert same_losses and same_params
 
 
+def _proc_status_mib(field: str) -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":")) / 1024
+
+
+def _peak_growth_mib(build):
+    """``build()`` and how far this process's peak RSS rose above its RSS before (VmHWM, reset first)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM := VmRSS
+    before = _proc_status_mib("VmRSS")
+    built = build()
+    return built, _proc_status_mib("VmHWM") - before
+
+
+def construction_peak(rank, world_size, layers, width, under_init):
+    def build():
+        if not under_init:
+            return nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(layers)])
+        with Init(config_dict_or_path={"zero_optimization": {"stage": 3}}):
+            return nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(layers)])
+
+    ds_comm.barrier()
+    model, peak = _peak_growth_mib(build)
+    return peak, sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's /proc/self/clear_refs")
+def test_init_peak_memory_is_half_the_model_plus_a_layer():
+    # 64 MiB a layer, 512 MiB in all: above glibc's largest mmap threshold (32 MiB), so a freed layer goes back
+    # to the system (smaller ones stay in the heap, and reusing those holes is the allocator's business)
+    layers, width = 8, 4096
+    layer, full = width * width * 4 / 2**20, layers * width * width * 4 / 2**20
+    # the control, in processes of its own (freed memory stays with the allocator): built whole, the
+    # measurement sees the whole model
+    for peak, held in spawn(construction_peak, world_size=2, args=(layers, width, False)):
+        assert held == full and peak >= 0.9 * full, peak
+    for peak, held in spawn(construction_peak, world_size=2, args=(layers, width, True)):
+        assert held == full / 2
+        assert peak <= full / 2 + 2 * layer, peak  # this rank's halves, the layer being built and its broadcast
+
+
 def refusals(rank, world_size):
     out = []
     try:
