@@ -1,6 +1,7 @@
 """Gradient reduction of `ZeroOptimizer`: bucket buffers, the post-accumulate-grad hooks that reduce a
 bucket as soon as its gradients are complete (all-reduce at stage 0, reduce-scatter from stage 1),
-waiting for the reductions, and the global gradient norm. A mixin: `ZeroOptimizer` owns the state."""
+waiting for the reductions, the global gradient norm, and the hookup of a 1-bit optimizer (which decides
+per step whether the gradients are averaged). A mixin: `ZeroOptimizer` owns the state."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 
 import ds_comm
 
-from ._model import param_name
+from ._model import param_name, version
 
 logger = logging.getLogger("ds_zero._optimizer")
 
@@ -180,6 +181,42 @@ class Reduction:
                 _complete(*pending)
         except Exception as e:  # the group may be gone already; nothing to finish then
             logger.debug("ZeroOptimizer.close: pending reductions not completed (%s)", e)
+
+    def _check_compressed(self, name: str) -> None:
+        """A 1-bit optimizer runs at stage 0 in fp32 or bf16, reducing in its own backward hooks."""
+        if self.config.stage != 0:
+            raise ValueError(f"zero_optimization.stage is {self.config.stage}: {name} compresses the data-parallel "
+                             "communication itself and runs with stage 0 only (as DeepSpeed's 1-bit optimizers); "
+                             "set zero_optimization.stage to 0")
+        if self.precision == "fp16":
+            raise NotImplementedError(f"fp16 with {name} is not implemented in ds-zero {version()}: its loss-scale "
+                                      "check would read gradients that differ between ranks after warm-up; use bf16 "
+                                      "or fp32")
+        if not self.reduce_in_backward:
+            raise ValueError(f"{name} decides per step whether gradients are averaged; it cannot be stepped by a "
+                             "caller that reduces by hand (reduce_in_backward=False, a pipeline stage)")
+
+    def _mask_padding(self) -> None:
+        """Tell a 1-bit optimizer where the parameters lie in each group's flat tensor (its runs, in
+        order): the buckets' padding stays zero (compressed, it would not), and 1-bit LAMB takes its trust
+        ratios per parameter."""
+        where = {id(t): at for t, (at, _) in zip(self._step_params, self._owned, strict=True)}
+        slots = sorted(self.layout.slots, key=lambda slot: slot.offset)
+        for index, group in enumerate(self.optimizer.param_groups):
+            segments, base = [], 0
+            for t in group["params"]:  # a run holds whole parameters at stage 0
+                start, end = where[id(t)], where[id(t)] + t.numel()
+                segments += [(base + slot.offset - start, slot.numel) for slot in slots
+                             if start <= slot.offset < end]
+                base += t.numel()
+            if group["params"]:
+                self.optimizer.set_segments(index, segments)
+
+    def _next_reduction(self) -> None:
+        """Whether the next accumulation's gradients are averaged (a 1-bit optimizer decides)."""
+        if self._compressed:
+            self._average_now = self.optimizer.wants_averaged_gradients()
+
 
 def _complete(work: Any, then: Callable | None) -> None:
     work.wait()
