@@ -17,7 +17,12 @@ read and write GB/s, averaged over the two runs, combined for the step's mix of 
 peak RSS per rank. The handle runs with the first tuning's recommended ``aio`` block (``--aio FILE``
 gives one instead). ``--json PATH`` writes the same figures.
 
-    python benchmarks/bench_infinity.py [--nvme-path DIR] [--steps 3] [--json out.json]
+``--checkpoint``: then a checkpoint of states larger than RAM: ``save_zero_checkpoint`` (timed, with
+the rise of peak RSS while it runs), one more step, ``load_zero_checkpoint`` of the saved one (the same),
+and that step again: its loss must be the first time's, bit for bit, and so must the next step's, which
+uses the loaded Adam states (another 12 bytes per parameter on disk).
+
+    python benchmarks/bench_infinity.py [--nvme-path DIR] [--steps 3] [--checkpoint] [--json out.json]
 
 It needs about 24 GB free under ``--nvme-path`` (checked before anything is written) and takes
 minutes per step: a benchmark, not a test (the tests run a scaled-down version:
@@ -42,7 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ds_comm.testing import spawn
-from ds_zero import Init, ZeroOptimizer
+from ds_zero import Init, ZeroOptimizer, load_zero_checkpoint, save_zero_checkpoint
 
 
 class Block(nn.Module):
@@ -95,6 +100,38 @@ def _rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def _status_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":")) * 1024
+
+
+def _timed_with_peak(work) -> tuple[float, int]:
+    """Seconds ``work()`` took and how far peak RSS rose above RSS meanwhile (VmHWM, reset first)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before, start = _status_bytes("VmRSS"), time.perf_counter()
+    work()
+    return time.perf_counter() - start, _status_bytes("VmHWM") - before
+
+
+def checkpoint_round_trip(zero, model, tokens, directory: str) -> dict:
+    """A save, a step, a load, the step again and one more (see the module docstring)."""
+    def step() -> float:
+        loss = model(tokens)
+        zero.backward(loss)
+        zero.step()
+        zero.zero_grad()
+        return loss.item()
+
+    save_s, save_rise = _timed_with_peak(lambda: save_zero_checkpoint(zero, directory))
+    first = [step(), step()]
+    load_s, load_rise = _timed_with_peak(lambda: load_zero_checkpoint(zero, directory))
+    again = [step(), step()]
+    on_disk = sum(f.stat().st_size for f in Path(directory).rglob("*") if f.is_file())
+    return {"save_s": save_s, "save_rss_rise": save_rise, "load_s": load_s, "load_rss_rise": load_rise,
+            "losses": first, "losses_after_load": again, "checkpoint_bytes": on_disk}
+
+
 def run(rank: int, world_size: int, args, path: str) -> dict:
     torch.set_num_threads(1)
     config = ds_config(args, path)
@@ -123,9 +160,10 @@ def run(rank: int, world_size: int, args, path: str) -> dict:
                       "optimizer_read": nvme.bytes_read - before[0], "optimizer_written": nvme.bytes_written - before[1],
                       "fetch_read": nvme.fetch_bytes_read - before[2]})
     memory = zero.memory_bytes()
+    checkpoint = checkpoint_round_trip(zero, model, tokens, f"{path}/checkpoint") if args.checkpoint else None
     # no zero.close(): at stage 3 it makes every parameter whole again, which is what does not fit here
     return {"init_s": built - began, "setup_s": ready - built, "steps": steps, "memory": memory,
-            "rss_after_init": rss_built, "peak_rss": _rss()}
+            "rss_after_init": rss_built, "peak_rss": _rss(), "checkpoint": checkpoint}
 
 
 # a short sweep (4 configurations, 1 GiB each: about 30 s) around what the default sweep found best here
@@ -163,6 +201,7 @@ def main() -> None:
     parser.add_argument("--nvme-path", default=tempfile.gettempdir(), help="a fresh directory is made under it")
     parser.add_argument("--aio", help="a JSON file with an \"aio\" block (default: what ds-nvme-tune recommends)")
     parser.add_argument("--timeout", type=float, default=3600.0)
+    parser.add_argument("--checkpoint", action="store_true", help="then save and load a checkpoint (see above)")
     parser.add_argument("--json", help="write the figures here too")
     args = parser.parse_args()
 
@@ -211,6 +250,15 @@ def main() -> None:
         print(f"rank {rank}: peak RSS {r['peak_rss'] / 2**30:.2f} GiB (after Init {r['rss_after_init'] / 2**30:.2f}); "
               f"ds-zero holds {sum(v for k, v in r['memory'].items() if k != 'nvme') / 2**30:.2f} GiB in RAM "
               f"({', '.join(f'{k} {v / 2**30:.2f}' for k, v in r['memory'].items())} GiB)")
+    if args.checkpoint:
+        ck = [r["checkpoint"] for r in results]
+        rises = {kind: ", ".join(f"{c[kind + '_rss_rise'] / 2**20:.0f}" for c in ck) for kind in ("save", "load")}
+        print(f"checkpoint of {ck[0]['checkpoint_bytes'] / 1e9:.1f} GB: save {max(c['save_s'] for c in ck):.1f} s, "
+              f"load {max(c['load_s'] for c in ck):.1f} s; peak RSS rose {rises['save']} MiB (save) and "
+              f"{rises['load']} MiB (load) per rank")
+        first, again = ck[0]["losses"], ck[0]["losses_after_load"]
+        print(f"the two steps after the save: losses {first[0]:.6f}, {first[1]:.6f}; after the load: {again[0]:.6f}, "
+              f"{again[1]:.6f} ({'equal' if first == again else 'DIFFERENT'})")
     losses = [r["loss"] for r in results[0]["steps"]]
     print(f"loss {' -> '.join(f'{x:.4f}' for x in losses)}: {'fell' if losses[-1] < losses[0] else 'DID NOT FALL'}")
     if args.json:
