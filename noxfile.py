@@ -39,6 +39,17 @@ nox.options.error_on_missing_interpreters = True
 nox.options.sessions = ["tests"]
 
 
+def _install(session: nox.Session, *args: str) -> None:
+    """``pip install`` without byte-compiling what it installs, and with Python free to write the
+    bytecode of what the session imports. pip compiles every file of every wheel (torch's thousands:
+    32 of the 45 s that installing the test dependencies took here, in each of CI's eleven
+    virtualenvs); a session imports a fraction of them, compiled once on first import. The
+    environment may say PYTHONDONTWRITEBYTECODE (this one does), which would make every process
+    compile what it imports again: empty is unset to Python."""
+    session.env["PYTHONDONTWRITEBYTECODE"] = ""
+    session.install("--no-compile", *args)
+
+
 def _pytest(session: nox.Session, *args: str) -> None:
     # Only exit code 0 passes (nox's default, stated here on purpose): pytest's 5, "no tests ran",
     # fails the session like any other failure, since every package has tests.
@@ -111,7 +122,7 @@ def _test_editable(session: nox.Session, packages: list[str]) -> None:
     """Every package editable in this virtualenv, then the tests of ``packages``, one pytest each."""
     _ensure_system_packages(session, packages)
     # every package's test extra too (transformers for ds-profiler's GPT-2/BERT, ds-all's monitors)
-    session.install(*TEST_DEPS, *(a for p in PACKAGES for a in ("-e", f"packages/{p}{_test_extra(p)}")))
+    _install(session, *TEST_DEPS, *(a for p in PACKAGES for a in ("-e", f"packages/{p}{_test_extra(p)}")))
     failed = []
     for package in packages:
         try:
@@ -140,7 +151,7 @@ def _standalone(package: str):
         _ensure_system_packages(session, [package])
         # Its ds dependencies come from their directories, as an index would serve them to a user
         # who runs `pip install <package>`; nothing else of the repository is installed.
-        session.install(*TEST_DEPS, *(f"packages/{dep}" for dep in _our_dependencies(package)),
+        _install(session, *TEST_DEPS, *(f"packages/{dep}" for dep in _our_dependencies(package)),
                         f"packages/{package}{_test_extra(package)}")
         # From the package folder, so pytest reads its pyproject; the sources live under src/,
         # which is not on sys.path, so the tests can only import the installed package.
@@ -161,12 +172,12 @@ for _package in PACKAGES:
 @nox.session(tags=["ci"])
 def lint(session: nox.Session) -> None:
     """ruff over the whole repository."""
-    session.install("ruff>=0.6")
+    _install(session, "ruff>=0.6")
     session.run("ruff", "check", ".")
 
 
 def _build_wheels(session: nox.Session) -> None:
-    session.install("build>=1.0")
+    _install(session, "build>=1.0")
     if WHEELHOUSE.exists():
         shutil.rmtree(WHEELHOUSE)
     for package in PACKAGES:
@@ -200,7 +211,7 @@ def wheels(session: nox.Session) -> None:
     """Build every wheel, install ds-all from the wheelhouse into this fresh virtualenv as a user
     would (README), run `python -m ds_all` and import every part from the installed wheels."""
     _build_wheels(session)
-    session.install(TORCH, "--find-links", str(WHEELHOUSE), "ds-all")
+    _install(session, TORCH, "--find-links", str(WHEELHOUSE), "ds-all")
     session.run("python", "-m", "ds_all")
     session.run("python", "-c", _CHECK_INSTALLED, str(WHEELHOUSE))
 
@@ -208,7 +219,7 @@ def wheels(session: nox.Session) -> None:
 @nox.session
 def bench(session: nox.Session) -> None:
     """Every packages/*/benchmarks/bench_*.py: ours against the baseline, with ratios."""
-    session.install(TORCH, "numpy", *(a for p in PACKAGES for a in ("-e", f"packages/{p}")))
+    _install(session, TORCH, "numpy", *(a for p in PACKAGES for a in ("-e", f"packages/{p}")))
     scripts = sorted(ROOT.glob("packages/*/benchmarks/bench_*.py"))
     if not scripts:
         session.log("no benchmarks yet")
@@ -223,5 +234,5 @@ def demo(session: nox.Session) -> None:
     profile, the comms logger's summary)."""
     # Every package, not editable, as `pip install ds-all[monitors]` would bring them (ds-all needs them
     # all; the JSON turns TensorBoard on).
-    session.install(TORCH, *(f"packages/{p}" for p in PACKAGES if p != "ds-all"), "packages/ds-all[monitors]")
+    _install(session, TORCH, *(f"packages/{p}" for p in PACKAGES if p != "ds-all"), "packages/ds-all[monitors]")
     session.run("ds-launch", "--num_procs", "2", "packages/ds-all/examples/train_gpt.py", *session.posargs)
