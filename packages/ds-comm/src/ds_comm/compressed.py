@@ -37,7 +37,7 @@ from types import ModuleType
 
 import torch
 
-from .collectives import _exchange
+from .collectives import _exchange, _staging
 from .distributed import _require, get_rank, get_world_size
 
 logger = logging.getLogger(__name__)
@@ -103,8 +103,10 @@ def compressed_allreduce(tensor: torch.Tensor, worker_error: torch.Tensor, serve
 
     # worker -> server: frame i of every rank to rank i. The kernels compress the peers' frames
     # first and this rank's own while those travel (straight into its place among the received).
-    frames = torch.empty(world, frame, dtype=torch.uint8, device=tensor.device)
-    received = torch.empty_like(frames)
+    # frames, received and gathered: one reused staging buffer (a fresh one would be paged in on every
+    # call: 3.7 ms per 8 MiB here, a few % of the call at 64M elements)
+    scratch = _staging.take(3 * world * frame, torch.uint8, tensor.device)
+    frames, received, gathered = scratch[: 3 * world * frame].view(3, world, frame).unbind()
     if kernels is not None:
         for peer in peers:
             kernels.compress(tensor.view(-1), worker_error.view(-1), frames, index=peer)
@@ -120,7 +122,6 @@ def compressed_allreduce(tensor: torch.Tensor, worker_error: torch.Tensor, serve
         work.wait()
 
     # server: average, add its error feedback, compress again into its place in the gathered frames
-    gathered = torch.empty(world, frame, dtype=torch.uint8, device=tensor.device)
     if kernels is not None:
         kernels.average(received, server_error.view(-1), gathered[rank])
     else:
@@ -143,6 +144,7 @@ def compressed_allreduce(tensor: torch.Tensor, worker_error: torch.Tensor, serve
                 _decompress_torch(gathered[r: r + 1], out)
     for work in works[len(peers):]:
         work.wait()
+    _staging.give_back(scratch)  # every message has completed (after an error it is simply dropped)
     if flat.data_ptr() != tensor.data_ptr():
         tensor.copy_(flat.view(tensor.shape))
     return tensor
