@@ -1,7 +1,8 @@
 """The one way to build, test and run ds.  ``python3 -m nox --list`` shows every session.
 
 * ``tests``: every package installed editable in one virtualenv, then each package's tests;
-  ``tests-rest``: the same for the packages not in ``STANDALONE_IN_CI`` (CI runs each test once).
+  ``tests-rest``: the same for the packages not in ``STANDALONE_IN_CI``, and those tests of theirs
+  that need another ds package (``NEEDS_OTHER_PACKAGES``: they skip in the standalone session).
 * ``standalone-<pkg>``: a fresh virtualenv with only that package (not editable, with its ``test``
   extra where it has one), its own tests.
 * ``build``: a wheel of every package into ``.nox/wheelhouse``; ``lint``: ruff;
@@ -33,6 +34,11 @@ PACKAGES = [p for p in PACKAGES if (ROOT / "packages" / p / "pyproject.toml").ex
 # Packages whose issue asks for "installable and testable alone" in the test command.
 STANDALONE_IN_CI = ["ds-config", "ds-launch", "ds-profiler", "ds-ops", "ds-comm", "ds-io", "ds-compress", "ds-zero",
                     "ds-pipe"]
+# Tests of those packages that need another ds package (ds-comm's native 1-bit path needs ds-ops, its hang
+# test ds-launch): they skip in the standalone session, where the package is alone, so tests-rest, where
+# every package is installed, runs them (paths under the package's tests/).
+NEEDS_OTHER_PACKAGES = {"ds-comm": ["test_compressed.py",
+                                    "test_exit.py::test_a_diagnosed_hang_ends_the_job_under_ds_launch"]}
 WHEELHOUSE = ROOT / ".nox" / "wheelhouse"
 
 nox.options.error_on_missing_interpreters = True
@@ -118,15 +124,18 @@ def _our_dependencies(package: str) -> list[str]:
     return found
 
 
-def _test_editable(session: nox.Session, packages: list[str]) -> None:
-    """Every package editable in this virtualenv, then the tests of ``packages``, one pytest each."""
+def _test_editable(session: nox.Session, packages: list[str], also: dict[str, list[str]] | None = None) -> None:
+    """Every package editable in this virtualenv, then the tests of ``packages``, one pytest each, and
+    those of ``also`` ({package: paths under its tests/}), one pytest per package."""
     _ensure_system_packages(session, packages)
     # every package's test extra too (transformers for ds-profiler's GPT-2/BERT, ds-all's monitors)
     _install(session, *TEST_DEPS, *(a for p in PACKAGES for a in ("-e", f"packages/{p}{_test_extra(p)}")))
     failed = []
-    for package in packages:
+    runs = [(package, [f"packages/{package}/tests"]) for package in packages]
+    runs += [(package, [f"packages/{package}/tests/{path}" for path in paths]) for package, paths in (also or {}).items()]
+    for package, paths in runs:
         try:
-            _pytest(session, f"packages/{package}/tests")
+            _pytest(session, *paths)
         except CommandFailed:
             failed.append(package)
     if failed:
@@ -142,8 +151,9 @@ def tests(session: nox.Session) -> None:
 @nox.session(name="tests-rest", tags=["ci"])
 def tests_rest(session: nox.Session) -> None:
     """As ``tests``, for the packages without a standalone session in CI (those run their tests there,
-    so CI runs no test twice)."""
-    _test_editable(session, [p for p in PACKAGES if p not in STANDALONE_IN_CI])
+    so CI runs no test twice), and those of theirs that need another package (NEEDS_OTHER_PACKAGES)."""
+    _test_editable(session, [p for p in PACKAGES if p not in STANDALONE_IN_CI],
+                   {p: paths for p, paths in NEEDS_OTHER_PACKAGES.items() if p in STANDALONE_IN_CI})
 
 
 def _standalone(package: str):
