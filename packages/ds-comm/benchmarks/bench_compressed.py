@@ -6,11 +6,13 @@ once as in the all-reduce): the bytes they read and write per second, against th
 memory bandwidth measured in the same run the same way (both ranks streaming an in-place
 ``b += 0.5 * c`` over float32 buffers of the same size: 12 bytes per element, no write-allocate).
 
-    python benchmarks/bench_compressed.py [--sizes 1,16,64] [--threads 1] [--reps 7] [--json out.json]
+    python benchmarks/bench_compressed.py [--sizes 1,16,64] [--threads 1] [--reps 7] [--phases] [--json out.json]
 
 Each rank runs ``--threads`` threads (default 1: 2 ranks x 1 thread fill the 2 cores here). The
 three all-reduces run interleaved, ``--reps`` times each (the input copied in before the clock
 starts), and the table shows medians; the torch path runs 3 times at 64M (seconds per call).
+``--phases`` then times the parts of ``--reps`` more native calls on each rank: the kernels, issuing
+the two exchanges, waiting for them, and the rest (Python, the staging buffer).
 
 Goals: at least 20x fewer bytes sent per rank than the fp32 all_reduce; the native 1-bit
 all-reduce of 16M and 64M elements in at most 0.5x the fp32 all_reduce's time; the kernels at 50 %
@@ -28,6 +30,7 @@ from pathlib import Path
 import torch
 
 import ds_comm
+from ds_comm import compressed
 from ds_comm.testing import spawn
 
 SCALE_BYTES = 4
@@ -55,12 +58,81 @@ def kernel_bytes(n: int, world: int) -> dict[str, int]:
     }
 
 
-def measure(rank, world, millions, threads, reps):
+def measure(rank, world, millions, threads, reps, phases):
     from ds_ops import onebit
 
     torch.set_num_threads(threads)
     onebit.load()  # built (or loaded from the cache) before any clock runs
-    return [measure_size(onebit, rank, world, m, reps) for m in millions]
+    rows = [measure_size(onebit, rank, world, m, reps) for m in millions]
+    if phases:
+        for row, m in zip(rows, millions, strict=True):
+            row["phases"] = time_phases(onebit, rank, world, m, reps)  # ms
+    return rows
+
+
+class _Timed:
+    """Stands in for ds-ops' onebit module or ds_comm's exchange inside compressed_allreduce, adding
+    each call's seconds (and those of waiting on the works an exchange returns) to ``spent``."""
+
+    def __init__(self, spent: dict[str, float], target, name: str | None = None):
+        self._spent, self._target, self._name = spent, target, name
+
+    def _add(self, name: str, start: float) -> None:
+        self._spent[name] = self._spent.get(name, 0.0) + time.perf_counter() - start
+
+    def __getattr__(self, name):  # the kernels: compress, average, decompress
+        fn = getattr(self._target, name)
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._add(name, start)
+        return timed
+
+    def __call__(self, *args, **kwargs):  # the exchange: issue, then each wait
+        start = time.perf_counter()
+        works = self._target(*args, **kwargs)
+        self._add("issue", start)
+        return [_TimedWork(self, work) for work in works]
+
+
+class _TimedWork:
+    def __init__(self, timer: _Timed, work):
+        self._timer, self._work = timer, work
+
+    def wait(self):
+        start = time.perf_counter()
+        try:
+            return self._work.wait()
+        finally:
+            self._timer._add("wait", start)
+
+
+def time_phases(onebit, rank, world, millions, reps) -> dict[str, float]:
+    """Median ms per native call of each part: the kernels, issuing and waiting for the exchanges, the rest."""
+    n = millions * 1_000_000
+    x = torch.randn(n, generator=torch.Generator().manual_seed(rank))
+    y = torch.empty_like(x)
+    errors = tuple(torch.zeros(size) for size in ds_comm.error_buffer_sizes(n, world))
+    kernels, exchange = compressed._native_kernels(), compressed._exchange
+    per_call: list[dict[str, float]] = []
+    try:
+        for rep in range(reps + 1):
+            spent: dict[str, float] = {}
+            compressed._native = _Timed(spent, kernels)
+            compressed._exchange = _Timed(spent, exchange)
+            y.copy_(x)
+            total = _timed(lambda: compressed.compressed_allreduce(y, *errors, native=True))
+            spent["rest"] = total - sum(spent.values())
+            spent["call"] = total
+            if rep:  # the first call warms the staging buffer
+                per_call.append(spent)
+    finally:
+        compressed._native, compressed._exchange = kernels, exchange
+    return {name: statistics.median(c.get(name, 0.0) for c in per_call) * 1e3
+            for name in ("compress", "issue", "wait", "average", "decompress", "rest", "call")}
 
 
 def measure_size(onebit, rank, world, millions, reps):
@@ -148,10 +220,12 @@ def main() -> None:
     parser.add_argument("--sizes", default="1,16,64", help="millions of fp32 elements")
     parser.add_argument("--threads", type=int, default=1, help="threads per rank")
     parser.add_argument("--reps", type=int, default=7, help="interleaved runs of each all-reduce and kernel")
+    parser.add_argument("--phases", action="store_true", help="then time the parts of native calls on each rank")
     parser.add_argument("--json", dest="json_path")
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
-    rows = combine(spawn(measure, world_size=2, args=(sizes, args.threads, args.reps), timeout=3600))
+    per_rank = spawn(measure, world_size=2, args=(sizes, args.threads, args.reps, args.phases), timeout=3600)
+    rows = combine(per_rank)
     print(f"bench_compressed: 2 gloo ranks x {args.threads} thread(s); medians of {args.reps} interleaved runs, "
           "the slower rank's; bytes = what each rank sends (comms logger bus bytes)")
     print(f"{'elements':>9}{'fp32 MB':>9}{'1-bit MB':>10}{'fewer':>7}{'fp32 ms':>9}{'torch ms':>10}{'native ms':>11}"
@@ -167,6 +241,13 @@ def main() -> None:
         print(f"{r['elements'] // 1_000_000:>8}M{r['compress_ms']:>13.2f}{r['average_ms']:>12.2f}"
               f"{r['decompress_ms']:>12.2f}{r['kernels_GBps']:>14.1f}{r['rmw_GBps']:>13.1f}"
               f"{r['fraction_of_bandwidth']:>9.0%}")
+    if args.phases:
+        names = ("compress", "issue", "wait", "average", "decompress", "rest", "call")
+        print(f"one native call in parts, ms per rank (medians of {args.reps}; issue/wait: the two exchanges):")
+        print(f"{'elements':>9}{'rank':>5}" + "".join(f"{name:>12}" for name in names))
+        for size_rows in zip(*per_rank, strict=True):
+            for rank, row in enumerate(size_rows):
+                print(f"{row['elements'] // 1_000_000:>8}M{rank:>5}" + "".join(f"{row['phases'][k]:>12.2f}" for k in names))
     worst = min(r["byte_ratio"] for r in rows)
     print(f"fewest-bytes ratio {worst:.1f}x (goal >= 20x: {'met' if worst >= 20 else 'missed'})")
     big = [r for r in rows if r["elements"] >= 16_000_000]
