@@ -4,7 +4,8 @@ all_reduce, of the 1-bit all-reduce on torch ops and on ds-ops' kernels, and the
 relative to the exact mean. Then the kernels alone (compress, average, decompress, both ranks at
 once as in the all-reduce): the bytes they read and write per second, against this machine's
 memory bandwidth measured in the same run the same way (both ranks streaming an in-place
-``b += 0.5 * c`` over float32 buffers of the same size: 12 bytes per element, no write-allocate).
+``b += 0.5 * c`` over float32 buffers of the same size: 12 bytes per element, no write-allocate), and
+the floor that sets: the kernels' bytes at that bandwidth, against the fp32 all_reduce.
 
     python benchmarks/bench_compressed.py [--sizes 1,16,64] [--threads 1] [--reps 7] [--phases] [--json out.json]
 
@@ -209,6 +210,10 @@ def combine(per_rank: list[list[dict]]) -> list[dict]:
         row["kernels_GBps"] = total_bytes / (row["kernels_ms"] / 1e3) / 1e9
         row["rmw_GBps"] = row["rmw_bytes"] / (row["rmw_ms"] / 1e3) / 1e9
         row["fraction_of_bandwidth"] = row["kernels_GBps"] / row["rmw_GBps"]
+        # the kernels' bytes at the probe's bandwidth: what a call would take with nothing but them, at
+        # the speed of a plain read-modify-write (their floor in this run)
+        row["floor_ms"] = total_bytes / (row["rmw_GBps"] * 1e9) * 1e3
+        row["floor_over_fp32"] = row["floor_ms"] / row["fp32_ms"]
         row["native_over_fp32"] = row["native_ms"] / row["fp32_ms"]
         row["torch_over_fp32"] = row["torch_ms"] / row["fp32_ms"]
         rows.append(row)
@@ -236,11 +241,12 @@ def main() -> None:
               f"{r['native_over_fp32']:>12.2f}x{r['torch_over_fp32']:>11.2f}x{r['error_one_call']:>12.3f}")
     print("kernels, per rank with both ranks running (GB/s = bytes read + written / time):")
     print(f"{'elements':>9}{'compress ms':>13}{'average ms':>12}{'decomp. ms':>12}{'kernels GB/s':>14}"
-          f"{'memory GB/s':>13}{'fraction':>10}")
+          f"{'memory GB/s':>13}{'fraction':>10}{'floor ms':>10}{'floor/fp32':>12}")
     for r in rows:
         print(f"{r['elements'] // 1_000_000:>8}M{r['compress_ms']:>13.2f}{r['average_ms']:>12.2f}"
               f"{r['decompress_ms']:>12.2f}{r['kernels_GBps']:>14.1f}{r['rmw_GBps']:>13.1f}"
-              f"{r['fraction_of_bandwidth']:>9.0%}")
+              f"{r['fraction_of_bandwidth']:>9.0%}{r['floor_ms']:>10.1f}{r['floor_over_fp32']:>11.2f}x")
+    print("floor = the kernels' bytes at the memory GB/s: a call with nothing but its kernels, at that speed")
     if args.phases:
         names = ("compress", "issue", "wait", "average", "decompress", "rest", "call")
         print(f"one native call in parts, ms per rank (medians of {args.reps}; issue/wait: the two exchanges):")
