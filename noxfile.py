@@ -48,7 +48,7 @@ nox.options.sessions = ["tests"]
 def _install(session: nox.Session, *args: str) -> None:
     """``pip install`` without byte-compiling what it installs, and with Python free to write the
     bytecode of what the session imports. pip compiles every file of every wheel (torch's thousands:
-    32 of the 45 s that installing the test dependencies took here, in each of CI's eleven
+    32 of the 45 s that installing the test dependencies took here, in each of CI's
     virtualenvs); a session imports a fraction of them, compiled once on first import. The
     environment may say PYTHONDONTWRITEBYTECODE (this one does), which would make every process
     compile what it imports again: empty is unset to Python."""
@@ -150,8 +150,9 @@ def tests(session: nox.Session) -> None:
 
 @nox.session(name="tests-rest", tags=["ci"])
 def tests_rest(session: nox.Session) -> None:
-    """As ``tests``, for the packages without a standalone session in CI (those run their tests there,
-    so CI runs no test twice), and those of theirs that need another package (NEEDS_OTHER_PACKAGES)."""
+    """As ``tests``, for the packages without a standalone session in CI (those run their tests there),
+    and the tests of those that need another package and skip there (NEEDS_OTHER_PACKAGES; the files
+    named run whole, so a few of their tests run twice)."""
     _test_editable(session, [p for p in PACKAGES if p not in STANDALONE_IN_CI],
                    {p: paths for p, paths in NEEDS_OTHER_PACKAGES.items() if p in STANDALONE_IN_CI})
 
@@ -162,7 +163,7 @@ def _standalone(package: str):
         # Its ds dependencies come from their directories, as an index would serve them to a user
         # who runs `pip install <package>`; nothing else of the repository is installed.
         _install(session, *TEST_DEPS, *(f"packages/{dep}" for dep in _our_dependencies(package)),
-                        f"packages/{package}{_test_extra(package)}")
+                 f"packages/{package}{_test_extra(package)}")
         # From the package folder, so pytest reads its pyproject; the sources live under src/,
         # which is not on sys.path, so the tests can only import the installed package.
         session.chdir(ROOT / "packages" / package)
