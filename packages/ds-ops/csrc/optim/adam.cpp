@@ -5,6 +5,8 @@
 // multiply in the same pass, which also notices a non-finite g (g*0 is nan exactly when g is inf
 // or nan: one fused multiply-add per vector, no branch). Unscaled steps (the optimizer classes)
 // run a variant without those two instructions. `all_finite` checks before anything is written.
+// Every element goes through the vector code, a span's last partial vector too (TailLanes): its
+// result is the same bits wherever its tensor, chunk or thread's range ends.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -23,54 +25,82 @@ inline bool is_nan_sum(typename B::V acc) {
   return total != total;
 }
 
-template <class B, bool kScaled, class P, class G, class S, class O>
-int64_t adam_span(P* p, const G* g, S* m, S* v, O* out, int64_t i, int64_t end, const AdamArgs& a,
-                  uint32_t seed, bool* nonfinite) {
+// The per-step constants of the update, as vectors.
+template <class B>
+struct AdamVectors {
   using V = typename B::V;
-  const auto f = [](double x) { return B::set1(static_cast<float>(x)); };
-  const V multiplier = f(a.grad_multiplier), zero = B::set1(0.f);
-  V poison = zero;
-  const V beta1c = f(1.0 - a.beta1), beta2 = f(a.beta2), beta2c = f(1.0 - a.beta2);
-  const V l2 = f(a.adamw ? 0.0 : a.weight_decay);
-  const V decay = f(a.adamw ? 1.0 - a.lr * a.weight_decay : 1.0);
-  const V inv_bc2_sqrt = f(1.0 / std::sqrt(a.bias_correction2));
-  const V eps = f(a.eps), step_size = f(a.lr / a.bias_correction1);
-  const bool l2_decay = !a.adamw && a.weight_decay != 0.0, decoupled = a.adamw && a.weight_decay != 0.0;
+  V multiplier, zero, beta1c, beta2, beta2c, l2, decay, inv_bc2_sqrt, eps, step_size;
+  bool l2_decay, decoupled;
+  explicit AdamVectors(const AdamArgs& a)
+      : multiplier(f(a.grad_multiplier)), zero(B::set1(0.f)), beta1c(f(1.0 - a.beta1)), beta2(f(a.beta2)),
+        beta2c(f(1.0 - a.beta2)), l2(f(a.adamw ? 0.0 : a.weight_decay)),
+        decay(f(a.adamw ? 1.0 - a.lr * a.weight_decay : 1.0)), inv_bc2_sqrt(f(1.0 / std::sqrt(a.bias_correction2))),
+        eps(f(a.eps)), step_size(f(a.lr / a.bias_correction1)),
+        l2_decay(!a.adamw && a.weight_decay != 0.0), decoupled(a.adamw && a.weight_decay != 0.0) {}
+  static V f(double x) { return B::set1(static_cast<float>(x)); }
+};
+
+// One vector of elements: p, g, m, v (and out) point at its first element.
+template <class B, bool kScaled, class P, class G, class S, class O>
+inline void adam_vector(P* p, const G* g, S* m, S* v, O* out, const AdamVectors<B>& c, typename B::IV noise,
+                        typename B::V& poison) {
+  using V = typename B::V;
+  V param = B::load(p);
+  V grad = B::load(g);
+  if constexpr (kScaled) {
+    grad = B::mul(grad, c.multiplier);
+    poison = B::fmadd(grad, c.zero, poison);
+  }
+  if (c.l2_decay) grad = B::fmadd(param, c.l2, grad);
+  if (c.decoupled) param = B::mul(param, c.decay);
+  V mm = B::load(m), vv = B::load(v);
+  mm = B::fmadd(B::sub(grad, mm), c.beta1c, mm);
+  vv = B::fmadd(B::mul(grad, grad), c.beta2c, B::mul(vv, c.beta2));
+  // With bf16 states (8-bit mantissas) the 12-14-bit hardware estimates are exact enough; with
+  // fp32 states one Newton step brings them to ~2^-22.
+  V denom, ratio;
+  if constexpr (std::is_same_v<S, bf16>) {
+    denom = B::fmadd(B::sqrt_coarse(vv), c.inv_bc2_sqrt, c.eps);
+    ratio = B::mul(mm, B::rcp_coarse(denom));
+  } else {
+    denom = B::fmadd(B::sqrt_fast(vv), c.inv_bc2_sqrt, c.eps);
+    ratio = B::mul(mm, B::rcp_fast(denom));
+  }
+  param = B::fnmadd(ratio, c.step_size, param);
+  B::store(p, param);
+  store_state<B>(m, 0, mm, B::low16(noise));
+  store_state<B>(v, 0, vv, B::high16(noise));
+  if constexpr (!std::is_same_v<O, NoOut>) B::store(out, param);
+}
+
+// Elements [i, end) of one tensor, all through the vector code: the last, partial vector too (see
+// TailLanes), so an element's bits do not depend on where its span ends.
+template <bool kScaled, class P, class G, class S, class O>
+void adam_span(P* p, const G* g, S* m, S* v, O* out, int64_t i, int64_t end, const AdamArgs& a, uint32_t seed,
+               bool* nonfinite) {
+  using B = Simd;
+  const AdamVectors<B> c(a);
+  typename B::V poison = c.zero;
   StateNoise<B, S> rounding(i, seed);
   for (; i + B::W <= end; i += B::W, rounding.advance()) {
     prefetch(p + i + kPrefetchAhead, g + i + kPrefetchAhead, m + i + kPrefetchAhead, v + i + kPrefetchAhead);
-    V param = B::load(p + i);
-    V grad = B::load(g + i);
-    if constexpr (kScaled) {
-      grad = B::mul(grad, multiplier);
-      poison = B::fmadd(grad, zero, poison);
-    }
-    if (l2_decay) grad = B::fmadd(param, l2, grad);
-    if (decoupled) param = B::mul(param, decay);
-    V mm = B::load(m + i), vv = B::load(v + i);
-    mm = B::fmadd(B::sub(grad, mm), beta1c, mm);
-    vv = B::fmadd(B::mul(grad, grad), beta2c, B::mul(vv, beta2));
-    // With bf16 states (8-bit mantissas) the 12-14-bit hardware estimates are exact enough; with
-    // fp32 states one Newton step brings them to ~2^-22.
-    V denom, ratio;
-    if constexpr (std::is_same_v<S, bf16>) {
-      denom = B::fmadd(B::sqrt_coarse(vv), inv_bc2_sqrt, eps);
-      ratio = B::mul(mm, B::rcp_coarse(denom));
-    } else {
-      denom = B::fmadd(B::sqrt_fast(vv), inv_bc2_sqrt, eps);
-      ratio = B::mul(mm, B::rcp_fast(denom));
-    }
-    param = B::fnmadd(ratio, step_size, param);
-    B::store(p + i, param);
-    const auto noise = rounding.noise();
-    store_state<B>(m, i, mm, B::low16(noise));
-    store_state<B>(v, i, vv, B::high16(noise));
-    if constexpr (!std::is_same_v<O, NoOut>) B::store(out + i, param);
+    adam_vector<B, kScaled>(p + i, g + i, m + i, v + i, out == nullptr ? out : out + i, c, rounding.noise(), poison);
+  }
+  if (i < end) {
+    const int64_t n = end - i;
+    TailLanes<B::W, P> tp(p + i, n);
+    TailLanes<B::W, const G> tg(g + i, n);
+    TailLanes<B::W, S> tm(m + i, n), tv(v + i, n);
+    TailLanes<B::W, O> to(out == nullptr ? out : out + i, n);
+    adam_vector<B, kScaled>(tp.lanes, tg.lanes, tm.lanes, tv.lanes, to.lanes, c, rounding.noise(), poison);
+    tp.write_back();
+    tm.write_back();
+    tv.write_back();
+    to.write_back();
   }
   if constexpr (kScaled) {
     if (is_nan_sum<B>(poison)) *nonfinite = true;
   }
-  return i;
 }
 
 // Chunks of the finite check: the stop flag is read once per chunk. Software prefetch keeps more
@@ -141,13 +171,8 @@ bool adam_update(const Pointers& params, const Pointers& grads, const Pointers& 
       S* v = as_ptr<S>(exp_avg_sq[t]);
       O* out = std::is_same_v<O, NoOut> ? nullptr : as_ptr<O>(outs[t]);
       const uint32_t seed_t = stream_seed(seed, t);
-      if (args.scaled) {
-        const int64_t i = adam_span<Simd, true>(p, g, m, v, out, begin, end, args, seed_t, &seen);
-        adam_span<Scalar, true>(p, g, m, v, out, i, end, args, seed_t, &seen);
-      } else {
-        const int64_t i = adam_span<Simd, false>(p, g, m, v, out, begin, end, args, seed_t, &seen);
-        adam_span<Scalar, false>(p, g, m, v, out, i, end, args, seed_t, &seen);
-      }
+      if (args.scaled) adam_span<true>(p, g, m, v, out, begin, end, args, seed_t, &seen);
+      else adam_span<false>(p, g, m, v, out, begin, end, args, seed_t, &seen);
       if (seen) nonfinite.store(true, std::memory_order_relaxed);
     });
   };

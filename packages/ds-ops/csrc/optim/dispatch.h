@@ -2,6 +2,8 @@
 // when the state is bf16.
 #pragma once
 
+#include <algorithm>
+#include <cstdint>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
@@ -67,6 +69,31 @@ struct StateNoise {
   }
   void advance() {
     if constexpr (std::is_same_v<S, bf16>) counter = B::next(counter);
+  }
+};
+
+// The last, partial vector of a span, stepped by the same vector code as the whole ones: its `n`
+// elements are copied into zeroed lanes (zeros are harmless inputs to every kernel: no inf, no nan),
+// the kernel runs on `lanes`, and `write_back` copies the `n` results out. A scalar tail would give
+// those elements other bits wherever the vector code uses hardware estimates (AVX-512's rsqrt14 and
+// rcp14, the bf16 states' coarse sqrt and reciprocal on AVX2 and AVX-512): an element's result would
+// depend on the length of the tensor or chunk it is stepped in (ZeRO steps a partition whole with CPU
+// offload, in sub-group chunks with NVMe offload, and between two threads wherever the cut falls).
+// T may be const (read only); a null source (no 16-bit copy) gives null lanes and copies nothing.
+template <int W, class T>
+struct TailLanes {
+  using E = std::remove_const_t<T>;
+  E storage[W]{};
+  T* source;
+  int64_t n;
+  E* lanes;
+  TailLanes(T* src, int64_t count) : source(src), n(count), lanes(src == nullptr ? nullptr : storage) {
+    if (src != nullptr) std::copy(src, src + count, storage);
+  }
+  void write_back() {
+    if constexpr (!std::is_const_v<T>) {
+      if (source != nullptr) std::copy(storage, storage + n, source);
+    }
   }
 };
 
