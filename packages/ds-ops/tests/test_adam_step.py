@@ -11,7 +11,7 @@ import torch
 
 import ds_ops
 
-N = 100003  # many vectors, both threads, and a scalar tail
+N = 100003  # many vectors, both threads, and a partial last vector
 
 
 def _buffers(n: int, seed: int = 0, state_dtype=torch.float32):
@@ -106,10 +106,47 @@ def test_bf16_states_follow_the_fp32_ones():
     torch.testing.assert_close(p16, p32, rtol=0, atol=2e-4)  # 5 steps of lr 1e-3, relative noise 2^-8 each
 
 
+def _mix32(x: torch.Tensor) -> torch.Tensor:  # uint32 arithmetic in int64, as the kernels' mix32 and hash
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+def _stochastic_bf16(x: torch.Tensor, noise16: torch.Tensor) -> torch.Tensor:
+    """The documented rounding: the 16 noise bits added to the float32 bits, then truncated."""
+    bits = x.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    return (((bits + noise16) >> 16) & 0xFFFF).to(torch.int32).to(torch.int16)
+
+
+def test_bf16_states_round_stochastically_as_documented_bit_for_bit():
+    # The first step from zero states is exact float32 arithmetic (m = g*(1-b1), v = g*g*(1-b2)), so the
+    # stored bf16 bits follow from the documented noise alone, on every SIMD build: ties and subnormals too
+    # (AVX512_BF16's conversion would round ties to even and flush subnormals).
+    n, seed, betas = 4099, 12345, (0.9, 0.999)
+    g = torch.Generator().manual_seed(5)
+    grad = torch.randn(n, generator=g)
+    grad[::7] *= 1e-21  # g*g and v subnormal
+    grad[::11] = 0.0
+    p, m, v = torch.randn(n, generator=g), torch.zeros(n, dtype=torch.bfloat16), torch.zeros(n, dtype=torch.bfloat16)
+    ds_ops.adam_step(p, grad, m, v, 1, 1e-3, betas=betas, seed=seed)
+    m32 = grad * torch.tensor(1.0 - betas[0], dtype=torch.float32)
+    v32 = (grad * grad) * torch.tensor(1.0 - betas[1], dtype=torch.float32)
+    assert (v32[::7] != 0).any() and (v32[::7].abs() < torch.finfo(torch.float32).tiny).all()
+    stream = _mix32(torch.tensor(seed ^ int(_mix32(torch.tensor(1))), dtype=torch.int64))  # tensor 0's seed
+    counter = (torch.arange(n, dtype=torch.int64) * 0x9E3779B9 + stream) & 0xFFFFFFFF
+    noise = counter ^ (counter >> 16)
+    noise = (noise * 0x7FEB352D) & 0xFFFFFFFF
+    noise = noise ^ (noise >> 15)
+    assert torch.equal(m.view(torch.int16), _stochastic_bf16(m32, noise & 0xFFFF))
+    assert torch.equal(v.view(torch.int16), _stochastic_bf16(v32, noise >> 16))
+
+
 # ---- overflow ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
-@pytest.mark.parametrize("where", [0, N // 2, N - 1])  # first vector, middle (second thread), scalar tail
+@pytest.mark.parametrize("where", [0, N // 2, N - 1])  # first vector, middle (second thread), partial last vector
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
 def test_overflow_is_reported_and_nothing_is_written(bad, where, grad_dtype):
     p, m, v = _buffers(N)

@@ -187,19 +187,14 @@ struct Avx512 {
   }
   static IV low16(IV r) { return _mm512_and_si512(r, _mm512_set1_epi32(0xffff)); }
   static IV high16(IV r) { return _mm512_srli_epi32(r, 16); }
+  // the integer add and truncation of the scalar definition, exactly: AVX512_BF16's one-instruction
+  // form (round to nearest of x + noise - 1/2 ulp) breaks ties to even and flushes subnormals, so it
+  // would give other bits than the AVX2 and scalar builds in rare cases
   static void store_stochastic(bf16* p, V x, IV noise16) {
     const __mmask16 number = _mm512_cmp_ps_mask(x, x, _CMP_ORD_Q);  // nan gets no noise: stays nan
-#if defined(__AVX512BF16__)
-    // round-to-nearest of (x + noise - 1/2 ulp) == truncation of (x + noise): one instruction
-    const __m512i centred = _mm512_sub_epi32(noise16, _mm512_set1_epi32(0x8000));
-    const __m512 noisy = _mm512_castsi512_ps(_mm512_mask_add_epi32(_mm512_castps_si512(x), number,
-                                                                   _mm512_castps_si512(x), centred));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(noisy)));
-#else
     __m512i rounded = _mm512_mask_add_epi32(_mm512_castps_si512(x), number, _mm512_castps_si512(x), noise16);
     rounded = _mm512_mask_or_epi32(rounded, static_cast<__mmask16>(~number), rounded, _mm512_set1_epi32(0x400000));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
-#endif
   }
   static V add(V a, V b) { return _mm512_add_ps(a, b); }
   static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
