@@ -92,8 +92,11 @@ class OpBuilder:
 
     def cxx_flags(self) -> list[str]:
         defines = [f"-DDS_OP_MODULE={self.module_name}", *(f"-D{d}" for d in self.defines())]
-        return ["-O3", "-std=c++17", "-fPIC", "-fvisibility=hidden", "-fopenmp", *system.simd_flags(), *defines,
-                *self.extra_cxx_flags()]
+        # -ffp-contract=off: a multiply and an add stay two roundings unless the source asks for a fused
+        # one (B::fmadd), on every compiler (GCC's ISO mode already does so; clang's default contracts),
+        # so a kernel's bits follow from its source and its SIMD level alone
+        return ["-O3", "-std=c++17", "-ffp-contract=off", "-fPIC", "-fvisibility=hidden", "-fopenmp",
+                *system.simd_flags(), *defines, *self.extra_cxx_flags()]
 
     def ldflags(self) -> list[str]:
         return ["-shared", "-fopenmp", *self.extra_ldflags()]
