@@ -56,7 +56,25 @@ def _install(session: nox.Session, *args: str) -> None:
     session.install("--no-compile", *args)
 
 
+# The CPU features a kernel's bits may depend on (ds-ops builds with -march=native): logged before every pytest,
+# so a result can be read with the CPU it came from (ds-ops' `ds-report` names them too).
+_CPU_FEATURES = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_fp16",
+                 "amx_tile", "amx_bf16")
+
+
+def _cpu_line() -> str:
+    try:
+        info = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return "CPU: unknown (no /proc/cpuinfo)"
+    model = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), "unknown")
+    flags = next((line.split(":", 1)[1].split() for line in info if line.startswith("flags")), [])
+    return (f"CPU: {model}, {os.cpu_count()} cores; features: {' '.join(f for f in _CPU_FEATURES if f in flags)}; "
+            f"lacks: {' '.join(f for f in ('avx2', 'avx512f', 'avx512_bf16', 'amx_bf16') if f not in flags) or '-'}")
+
+
 def _pytest(session: nox.Session, *args: str) -> None:
+    session.log(_cpu_line())
     # Only exit code 0 passes (nox's default, stated here on purpose): pytest's 5, "no tests ran",
     # fails the session like any other failure, since every package has tests.
     # --durations: the slowest tests in the log, to keep the whole run under its 30 minutes

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from ds_ops.op_builder import CPUAdamBuilder, OpBuilder, OpBuildError
+from ds_ops.op_builder import CPUAdamBuilder, OpBuilder, OpBuildError, system
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[1]
 
@@ -188,6 +188,33 @@ def test_portable_simd_levels_build_and_compute_the_same(cache, level, expected)
     assert f"SIMD {expected}" in result.stdout and "OK" in result.stdout
 
 
+# The files of the kernels' tests, run again against each other vector build this CPU runs.
+KERNEL_TESTS = ["test_positions.py", "test_adam_step.py", "test_optimizers.py", "test_onebit.py"]
+
+
+@pytest.mark.parametrize("level", ["avx2", "avx512"])
+def test_the_kernel_tests_pass_on_every_vector_path_this_cpu_runs(tmp_path, level):
+    """Every other test runs the native build (-march=native: AVX-512 on an AVX-512 CPU). A kernel's
+    AVX-512 and AVX2 paths differ in their arithmetic (AVX-512 uses rsqrt14/rcp14 estimates), and CI
+    runs on one CPU kind at a time: an AVX-512 CPU also runs the AVX2 build's kernel tests, so a
+    defect of either path shows wherever CI has AVX-512 (one went unseen where CI had AVX2 only)."""
+    model = system.cpu()[0]
+    if not system.cpu_runs(level):
+        missing = sorted(set(system.LEVEL_FEATURES[level]) - system.cpu()[1])
+        pytest.skip(f"{model} lacks {' '.join(missing)}: it cannot run the {level} build")
+    expected, native = {"avx2": "AVX2", "avx512": "AVX-512"}[level], OpBuilder().simd_level()
+    if native == expected:
+        pytest.skip(f"the native build on {model} is {native}: the other tests ran this path")
+    env = {"DS_OPS_CACHE": str(tmp_path / "cache"), "DS_BUILD_SIMD": level}
+    loaded = _python("from ds_ops.op_builder import CPUAdamBuilder; print(CPUAdamBuilder().load().simd_level())", env)
+    assert loaded.stdout.split() == [expected], loaded.stdout  # not a prebuilt op
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
+                             *(str(PACKAGE_ROOT / "tests" / name) for name in KERNEL_TESTS)],
+                            capture_output=True, text=True, timeout=900, cwd=PACKAGE_ROOT, env={**os.environ, **env})
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+    assert " passed" in result.stdout.splitlines()[-1], result.stdout[-2000:]
+
+
 def test_ds_build_ops_puts_a_prebuilt_op_in_the_wheel_that_needs_no_compiler(tmp_path):
     wheels = tmp_path / "wheels"
     build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(wheels),
@@ -222,6 +249,13 @@ def test_ds_report_lists_every_op():
                          check=True).stdout
     for line in ("python", "torch", "compiler", "ninja", "SIMD", "op cache"):
         assert any(row.startswith(line) for row in out.splitlines()), line
+    # the CPU as /proc/cpuinfo names it, with its vector features (what a kernel's bits may depend on)
+    info = Path("/proc/cpuinfo").read_text().splitlines()
+    model = next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
+    flags = next(line.split(":", 1)[1].split() for line in info if line.startswith("flags"))
+    (row,) = [r for r in out.splitlines() if r.startswith("CPU ")]
+    assert row.split(None, 1)[1].startswith(f"{model} (") and ("avx2" in flags) == (" avx2 " in row.replace("(", " "))
+    assert ("avx512f" in flags) == ("no avx512f" not in row), row
     for op in ("cpu_adam", "cpu_adagrad", "cpu_lion", "cpu_lamb", "sparse_attn", "onebit"):
         (row,) = [r for r in out.splitlines() if r.startswith(op + " ")]
         assert row.split()[1] == "yes", row

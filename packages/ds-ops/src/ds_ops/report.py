@@ -98,6 +98,7 @@ def _report(build: bool) -> tuple[str, dict[str, str]]:
             ("compiler", f"{cxx} — {system.compiler_version(cxx)}" if cxx else f"none: {compiler_problem}"),
             ("ninja", system.ninja() or "not found (pip install ninja)"),
             ("pybind11", str(system.pybind11_include() or "not found (pip install pybind11)")),
+            ("CPU", system.cpu_summary()),
             ("SIMD", f"{system.simd_choice()} → {OpBuilder().simd_level() if cxx else 'unknown'}"),
             ("op cache", f"{cache_root()}" + (f" — cannot be used: {cache_problem}" if cache_problem else ""))]
     width = max(len(name) for name, _ in rows) + 1

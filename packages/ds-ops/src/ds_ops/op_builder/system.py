@@ -115,6 +115,48 @@ def simd_level(cxx: str, flags: tuple[str, ...]) -> str:
     return "scalar"
 
 
+# The CPU features each SIMD_CHOICES level compiles for (as /proc/cpuinfo names them): a build of a
+# level runs only on a CPU that has them all.
+LEVEL_FEATURES = {
+    "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma", "f16c"),
+    "avx2": ("avx2", "fma", "f16c"),
+    "scalar": (),
+}
+# What a report names: the vector features the kernels can use, and those of bf16/AMX hardware.
+REPORTED_FEATURES = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16",
+                     "avx512_fp16", "amx_tile", "amx_bf16")
+
+
+@functools.cache
+def cpu() -> tuple[str, frozenset[str]]:
+    """(model name, feature flags) of this machine's CPU from /proc/cpuinfo; ("unknown", {}) elsewhere."""
+    model, flags = "unknown", frozenset()
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return model, flags
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "model name" and model == "unknown":
+            model = value.strip()
+        elif key.strip() == "flags" and not flags:
+            flags = frozenset(value.split())
+    return model, flags
+
+
+def cpu_summary() -> str:
+    """The CPU's model and which of REPORTED_FEATURES it has, in one line (ds-report, test logs)."""
+    model, flags = cpu()
+    has = [f for f in REPORTED_FEATURES if f in flags]
+    lacks = [f"no {f}" for f in ("avx2", "avx512f") if f not in flags]
+    return f"{model} ({'; '.join(part for part in (' '.join(has), ', '.join(lacks)) if part)})"
+
+
+def cpu_runs(level: str) -> bool:
+    """Whether a build for ``level`` (one of SIMD_CHOICES but native) runs on this CPU."""
+    return set(LEVEL_FEATURES[level]) <= cpu()[1]
+
+
 def max_jobs() -> int | None:
     """MAX_JOBS (as torch's extension builder reads it): how many compilations may run at once."""
     value = os.environ.get("MAX_JOBS", "").strip()
