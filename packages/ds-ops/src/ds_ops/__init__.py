@@ -6,12 +6,14 @@
     opt = ds_ops.CPUAdam(model.parameters(), state_dtype=torch.bfloat16)  # bf16 m, v: 20 B/param/step
     found_inf = ds_ops.adam_step(flat_params, flat_grads, exp_avg, exp_avg_sq, step, lr, grad_scale=1024.0)
 
+``ds_ops.get_accelerator()`` is DeepSpeed's accelerator object (CPU, or CUDA when a GPU is visible).
 ``ds_ops.onebit`` holds the 1-bit compression kernels of ``ds_comm.compressed_allreduce``.
 ``ds-report`` lists every op, whether this machine can build it and whether it is built.
 """
 
 __version__ = "0.1.0"
 
+from ._accelerator import Accelerator, get_accelerator, set_accelerator
 from .adagrad import CPUAdagrad
 from .adam import CPUAdam, FusedAdam, adam_step, has_inf_or_nan
 from .lamb import FusedLamb
@@ -19,5 +21,5 @@ from .lion import CPULion
 from .op_builder import OpBuilder, OpBuildError
 from .sparse_attention import SparseAttentionConfig
 
-__all__ = ["CPUAdagrad", "CPUAdam", "CPULion", "FusedAdam", "FusedLamb", "OpBuildError", "OpBuilder",
-           "SparseAttentionConfig", "__version__", "adam_step", "has_inf_or_nan"]
+__all__ = ["Accelerator", "CPUAdagrad", "CPUAdam", "CPULion", "FusedAdam", "FusedLamb", "OpBuildError", "OpBuilder",
+           "SparseAttentionConfig", "__version__", "adam_step", "get_accelerator", "has_inf_or_nan", "set_accelerator"]
