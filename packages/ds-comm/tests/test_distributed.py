@@ -28,6 +28,9 @@ def collectives_match_a_local_reference(rank, world):
     t = _data(rank, n)
     ds_comm.all_reduce(t, op=ds_comm.ReduceOp.MAX, async_op=True).wait()
     assert torch.equal(t, torch.stack(inputs).max(dim=0).values)
+    t = _data(rank, n)
+    ds_comm.inference_all_reduce(t, op=ds_comm.ReduceOp.MAX)  # DeepSpeed's, for tensor-parallel inference
+    assert torch.equal(t, torch.stack(inputs).max(dim=0).values)
 
     a, b = _data(rank, 3), _data(rank, 5, torch.float64)
     ds_comm.all_reduce_coalesced([a, b])

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -35,6 +39,15 @@ def test_topology_maps_every_rank_both_ways(dims):
         for idx in range(n):
             assert topo.get_axis_list(axis, idx) == [r for r in range(topo.world_size())
                                                      if getattr(topo.get_coord(r), axis) == idx]
+
+
+def test_deepspeeds_pipeline_topologies():
+    pipe_data = ds_comm.PipeDataParallelTopology(num_pp=2, num_dp=3)
+    assert (pipe_data.axes, pipe_data.dims) == (["pipe", "data"], [2, 3])
+    assert pipe_data.get_rank(pipe=1, data=0) == 3  # data-parallel ranks are neighbours
+    three_d = ds_comm.PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=2)
+    assert (three_d.axes, three_d.dims) == (["pipe", "data", "model"], [2, 2, 2])
+    assert three_d.get_rank(pipe=0, data=0, model=1) == 1  # model-parallel ranks are neighbours
 
 
 def test_topology_errors_name_the_problem():
@@ -103,6 +116,28 @@ def test_init_without_any_rank_source_names_what_it_looked_for(monkeypatch):
         ds_comm.init_distributed(dist_backend="gloo")
     with pytest.raises(ValueError, match="dist_backend must be one of gloo, nccl, mpi, ucc, got 'tcp'"):
         ds_comm.init_distributed(dist_backend="tcp")
+
+
+def test_init_distributed_takes_deepspeeds_arguments_in_deepspeeds_order(monkeypatch):
+    import inspect
+
+    assert list(inspect.signature(ds_comm.init_distributed).parameters) == [
+        "dist_backend", "auto_mpi_discovery", "distributed_port", "verbose", "timeout", "init_method",
+        "dist_init_required", "config", "rank", "world_size"]
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    # dist_init_required=False: the caller owns the process group; nothing is created, nothing is asked
+    ds_comm.init_distributed("gloo", dist_init_required=False)
+    assert not ds_comm.is_initialized() and "MASTER_PORT" not in os.environ
+    # distributed_port (third, as in DeepSpeed) is MASTER_PORT when the environment has none: a group of one
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    code = (f"import os, ds_comm; ds_comm.init_distributed('gloo', True, {port}, False, rank=0, world_size=1); "
+            "print(os.environ['MASTER_PORT'], ds_comm.is_initialized(), ds_comm.get_world_size())")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "MASTER_ADDR": "127.0.0.1"})
+    assert result.returncode == 0 and result.stdout.split() == [str(port), "True", "1"], result.stdout + result.stderr
 
 
 def test_calls_before_init_are_named():

@@ -20,6 +20,7 @@ from .collectives import (
     barrier,
     batch_isend_irecv,
     broadcast,
+    inference_all_reduce,
     irecv,
     isend,
     monitored_barrier,
@@ -42,7 +43,7 @@ from .distributed import (
     new_group,
 )
 from .logger import CollectiveHang, comms_logger
-from .topology import Grid, ProcessTopology
+from .topology import Grid, PipeDataParallelTopology, PipeModelDataParallelTopology, ProcessTopology
 
 
 def configure(config=None, **overrides) -> CommsLoggerConfig:
@@ -57,10 +58,12 @@ def log_summary(show_straggler: bool = False) -> list[dict]:
 
 
 __all__ = [
-    "CollectiveHang", "CommsLoggerConfig", "Grid", "P2POp", "ProcessTopology", "ReduceOp", "__version__",
+    "CollectiveHang", "CommsLoggerConfig", "Grid", "P2POp", "PipeDataParallelTopology",
+    "PipeModelDataParallelTopology", "ProcessTopology", "ReduceOp", "__version__",
     "all_gather", "all_gather_bucket", "all_gather_into_tensor", "all_reduce", "all_reduce_coalesced",
     "all_to_all_single", "barrier", "batch_isend_irecv", "broadcast", "comms_logger", "compressed_allreduce", "configure", "destroy_process_group",
-    "error_buffer_sizes", "get_global_rank", "get_local_rank", "get_rank", "get_world_size", "init_distributed",
+    "error_buffer_sizes", "get_global_rank", "get_local_rank", "get_rank", "get_world_size", "inference_all_reduce",
+    "init_distributed",
     "irecv", "is_initialized", "isend", "log_summary", "monitored_barrier", "new_group", "pack_signs", "recv",
     "reduce", "reduce_scatter_bucket", "reduce_scatter_tensor", "send", "unpack_signs",
 ]

@@ -198,6 +198,11 @@ def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool
                   lambda a: dist.all_reduce(tensor, op=op, group=group, async_op=a), async_op)
 
 
+def inference_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None):
+    """DeepSpeed's all-reduce for inference (tensor-parallel layers): `all_reduce`, in place, waited for."""
+    return all_reduce(tensor, op=op, group=group)
+
+
 def all_reduce_coalesced(tensors: list[torch.Tensor], op=ReduceOp.SUM, group=None, async_op: bool = False):
     """All-reduce many tensors with one collective per dtype and device (DeepSpeed's coalesced
     all-reduce). Tensors that are contiguous views filling one stretch of one buffer back to back

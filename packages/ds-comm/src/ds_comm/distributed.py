@@ -15,6 +15,7 @@ import re
 import sys
 from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -56,17 +57,21 @@ def _discover(environ) -> tuple[str, int, int, int] | None:
     return None
 
 
-def init_distributed(dist_backend: str | None = None, timeout: timedelta = timedelta(minutes=30),
-                     init_method: str | None = None, rank: int = -1, world_size: int = -1,
-                     auto_mpi_discovery: bool = True) -> None:
-    """Initialise the default process group once (later calls return at once).
+def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool = True,
+                     distributed_port: int = 29500, verbose: bool = True, timeout: timedelta = timedelta(minutes=30),
+                     init_method: str | None = None, dist_init_required: bool | None = None, config: Any = None,
+                     rank: int = -1, world_size: int = -1) -> None:
+    """Initialise the default process group once (later calls return at once); DeepSpeed's
+    signature, argument for argument.
 
     Rank and world size come from the arguments, else from ds-launch/torchrun (RANK, WORLD_SIZE),
     else, with ``auto_mpi_discovery``, from Open MPI (OMPI_COMM_WORLD_*) or SLURM (SLURM_PROCID,
     SLURM_NTASKS; the master is SLURM_NODELIST's first host). The backend defaults to nccl when CUDA
-    is usable, else gloo.
+    is usable, else gloo. ``distributed_port`` is MASTER_PORT when the environment has none;
+    ``dist_init_required=False`` creates no process group (the caller made or will make one);
+    ``config`` (DeepSpeed passes its config through) is not read.
     """
-    if dist.is_initialized():
+    if dist.is_initialized() or dist_init_required is False:
         return
     backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend not in BACKENDS:
@@ -91,7 +96,7 @@ def init_distributed(dist_backend: str | None = None, timeout: timedelta = timed
         if missing:
             raise RuntimeError(f"init_distributed: {', '.join(missing)} is not set: where rank 0 listens "
                                "(ds-launch sets it; or pass init_method='tcp://host:port')")
-        os.environ.setdefault("MASTER_PORT", "29500")
+        os.environ.setdefault("MASTER_PORT", str(distributed_port))
         init_method = "env://"
     if backend == "nccl" and torch.cuda.is_available():
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
@@ -104,7 +109,8 @@ def init_distributed(dist_backend: str | None = None, timeout: timedelta = timed
 
     dist.init_process_group(backend, init_method=init_method, timeout=timeout, rank=rank, world_size=world_size)
     _register_exit_hook()
-    logger.info("ds_comm: rank %d of %d initialised (%s)", rank, world_size, backend)
+    if verbose:
+        logger.info("ds_comm: rank %d of %d initialised (%s)", rank, world_size, backend)
 
 
 def _require(call: str) -> None:

@@ -68,6 +68,21 @@ class ProcessTopology:
         return self.axes.index(axis)
 
 
+class PipeDataParallelTopology(ProcessTopology):
+    """DeepSpeed's pipe × data topology (``deepspeed.runtime.pipe.topology``): ``num_pp`` stages,
+    ``num_dp`` data-parallel replicas, neighbouring ranks in one data-parallel group."""
+
+    def __init__(self, num_pp: int, num_dp: int):
+        super().__init__(axes=["pipe", "data"], dims=[num_pp, num_dp])
+
+
+class PipeModelDataParallelTopology(ProcessTopology):
+    """DeepSpeed's pipe × data × model topology (model-parallel ranks neighbours)."""
+
+    def __init__(self, num_pp: int, num_mp: int, num_dp: int):
+        super().__init__(axes=["pipe", "data", "model"], dims=[num_pp, num_dp, num_mp])
+
+
 class Grid:
     """The ``mpu`` of a topology with axes among ``pipe``, ``data``, ``model`` (missing ones count 1)."""
 
