@@ -26,12 +26,21 @@ from ._init import (
                         unregister_external_parameter,
 )
 from ._optimizer import ZeroOptimizer
-from .config import BF16Config, FP16Config, OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig
+from .config import (
+                        BF16Config,
+                        FP16Config,
+                        OffloadDeviceEnum,
+                        OffloadOptimizerConfig,
+                        OffloadParamConfig,
+                        OffloadStateTypeEnum,
+                        ZeroConfig,
+)
 from .onebit import OneBitAdam, OneBitLamb, ZeroOneAdam
 
 __version__ = "0.1.0"
 
-__all__ = ["BF16Config", "FP16Config", "GatheredParameters", "Init", "OffloadOptimizerConfig", "OffloadParamConfig", "OneBitAdam", "OneBitLamb", "SafeReader",
+__all__ = ["BF16Config", "FP16Config", "GatheredParameters", "Init", "OffloadDeviceEnum", "OffloadOptimizerConfig", "OffloadParamConfig",
+           "OffloadStateTypeEnum", "OneBitAdam", "OneBitLamb", "SafeReader",
            "ZeroConfig", "ZeroOneAdam",
            "ZeroOptimizer", "__version__", "estimate_zero2_model_states_mem_needs_all_cold",
            "estimate_zero2_model_states_mem_needs_all_live", "estimate_zero3_model_states_mem_needs_all_cold",

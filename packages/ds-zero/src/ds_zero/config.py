@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from enum import StrEnum
 from typing import Annotated, Any, Literal
 
 from ds_config import Section
@@ -21,6 +22,26 @@ SECTION = "zero_optimization"
 Auto = Literal["auto"]
 Positive = Annotated[int, Field(gt=0)]
 NonNegative = Annotated[int, Field(ge=0)]
+
+
+class OffloadDeviceEnum(StrEnum):
+    """Where ``offload_optimizer`` / ``offload_param`` put their data (DeepSpeed's enum; the config
+    takes the strings)."""
+
+    none = "none"
+    cpu = "cpu"
+    nvme = "nvme"
+
+
+class OffloadStateTypeEnum(StrEnum):
+    """The states DeepSpeed's ``engine.offload_states(include=...)`` names."""
+
+    optim_states = "optim_states"
+    hp_params = "hp_params"
+    lp_params = "lp_params"
+    lp_grads = "lp_grads"
+    contiguous_grad_buffer = "contiguous_grad_buffer"
+
 
 # DeepSpeed's old spellings -> the key that replaced them.
 DEPRECATED = {
