@@ -9,18 +9,17 @@ monitors from the config. ``import ds_all as deepspeed`` runs a DeepSpeed traini
         engine.backward(loss)
         engine.step()
 
-``ds_all.comm``, ``ds_all.zero``, ``ds_all.ops`` and ``ds_all.pipe`` are ds-comm, ds-zero, ds-ops and ds-pipe
-(DeepSpeed's ``deepspeed.comm``, ``deepspeed.zero``, ``deepspeed.ops``, ``deepspeed.pipe``); a
-``PipelineModule`` given to ``initialize`` makes a ``PipelineEngine``; ``ds_all.versions()`` gives every
-part's version.
+DeepSpeed's module tree is here, each module an alias of the part that owns it: ``ds_all.comm`` (ds-comm:
+``import ds_all.comm as dist``), ``ds_all.zero`` (ds-zero), ``ds_all.ops`` (ds-ops, with ``ops.adam``,
+``ops.lamb``, ...), ``ds_all.pipe`` (ds-pipe), ``ds_all.accelerator`` (``get_accelerator()``), ``ds_all.utils``
+(``logger``, ``log_dist``, ``RepeatingLoader``), ``ds_all.runtime.*`` (the ``deepspeed.runtime`` paths scripts
+import). A ``PipelineModule`` given to ``initialize`` makes a ``PipelineEngine``; ``ds_all.versions()`` gives
+every part's version.
 """
 
-import ds_comm as comm
-import ds_ops as ops
-import ds_zero as zero
 from ds_comm import init_distributed
 
-from . import checkpointing, hf, monitor, pipe
+from . import accelerator, checkpointing, comm, hf, monitor, ops, pipe, runtime, utils, zero
 from ._engine import DeepSpeedEngine
 from ._initialize import add_config_arguments, initialize
 from ._optimizers import build_optimizer
@@ -31,6 +30,9 @@ from .config import Config
 from .lr_schedules import LRRangeTest, OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR
 
 __version__ = "0.1.0"
+# DeepSpeed's version attributes
+__version_major__, __version_minor__, __version_patch__ = (int(part) for part in __version__.split("."))
+__git_hash__ = __git_branch__ = "[none]"  # DeepSpeed's value where the build recorded no git information
 
 __all__ = [
     "PARTS",
@@ -43,7 +45,13 @@ __all__ = [
     "WarmupCosineLR",
     "WarmupDecayLR",
     "WarmupLR",
+    "__git_branch__",
+    "__git_hash__",
     "__version__",
+    "__version_major__",
+    "__version_minor__",
+    "__version_patch__",
+    "accelerator",
     "add_config_arguments",
     "build_optimizer",
     "build_scheduler",
@@ -55,6 +63,8 @@ __all__ = [
     "monitor",
     "ops",
     "pipe",
+    "runtime",
+    "utils",
     "versions",
     "zero",
 ]

@@ -68,3 +68,23 @@ class ResumableSampler(torch.utils.data.Sampler):
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.set_epoch(int(state["epoch"]))
         self._skip = int(state["consumed"])
+
+
+class RepeatingLoader:
+    """DeepSpeed's ``RepeatingLoader``: iterates ``loader`` without end, starting it again each time it is
+    exhausted (a pipeline's ``train_batch`` pulls its micro-batches from one). A loader that yields
+    nothing at all raises ``StopIteration`` rather than looping forever."""
+
+    def __init__(self, loader: Any):
+        self.loader = loader
+        self.data_iter = iter(self.loader)
+
+    def __iter__(self) -> RepeatingLoader:
+        return self
+
+    def __next__(self) -> Any:
+        try:
+            return next(self.data_iter)
+        except StopIteration:
+            self.data_iter = iter(self.loader)
+            return next(self.data_iter)

@@ -311,6 +311,10 @@ class DeepSpeedEngine(nn.Module):
     def bf16_enabled(self) -> bool:
         return self.config.bf16.enabled is True
 
+    def bfloat16_enabled(self) -> bool:
+        """DeepSpeed's name of `bf16_enabled`."""
+        return self.bf16_enabled()
+
     def wall_clock_breakdown(self) -> bool:
         return self.config.wall_clock_breakdown
 

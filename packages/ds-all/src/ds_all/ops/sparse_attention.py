@@ -1,0 +1,4 @@
+"""DeepSpeed's ``deepspeed.ops.sparse_attention`` is ds-ops' block-sparse attention."""
+
+from ds_ops.sparse_attention import *  # noqa: F403
+from ds_ops.sparse_attention import __all__  # noqa: F401

@@ -1,0 +1,5 @@
+"""DeepSpeed's ``deepspeed.runtime.engine``."""
+
+from .._engine import DeepSpeedEngine
+
+__all__ = ["DeepSpeedEngine"]
