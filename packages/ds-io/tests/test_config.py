@@ -44,7 +44,7 @@ def test_thread_count_is_intra_op_parallelism_and_roundtrips():
 @pytest.mark.parametrize("section, message", [
     ({"blok_size": 4096}, "aio.blok_size: unknown key 'blok_size'; did you mean 'block_size'?"),
     ({"thread_cnt": 2}, "did you mean 'thread_count'?"),
-    ({"block_size": 0}, "aio.block_size: must be greater than or equal to 4096, got 0"),
+    ({"block_size": 0}, "aio.block_size: must be greater than or equal to 512, got 0"),
     ({"block_size": 2**40}, "aio.block_size: must be less than or equal to 268435456, got 1099511627776"),
     ({"queue_depth": 10**12}, "aio.queue_depth: must be less than or equal to 65536, got 1000000000000"),
     ({"thread_count": 100000}, "aio.thread_count: must be less than or equal to 256, got 100000"),

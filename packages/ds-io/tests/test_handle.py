@@ -42,8 +42,9 @@ def handle():
 @pytest.mark.parametrize("use_libaio", [True, False], ids=["libaio", "posix"])
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "buffered"])
 @pytest.mark.parametrize("numel", [1, 4095, 4096 * 5, 100_003])
-def test_roundtrip_matches_file_bytes(tmp_path, use_libaio, direct, numel):
-    with AsyncIOHandle(block_size=8192, queue_depth=3, intra_op_parallelism=2, overlap_events=use_libaio,
+@pytest.mark.parametrize("block_size", [8192, 1024], ids=["8k", "1k"])  # 1024: DeepSpeed's tests' size
+def test_roundtrip_matches_file_bytes(tmp_path, use_libaio, direct, numel, block_size):
+    with AsyncIOHandle(block_size=block_size, queue_depth=3, intra_op_parallelism=2, overlap_events=use_libaio,
                        use_direct_io=direct, use_libaio=use_libaio) as h:
         for k, dtype in enumerate(DTYPES):
             t = random_tensor(numel, dtype, seed=k)
@@ -151,13 +152,13 @@ def test_getters_report_the_settings():
         assert h.uses_libaio() == ds_io.AsyncIOBuilder().load().have_libaio()
 
 
-BLOCK, DEPTH, THREADS = "[4096, 268435456]", "[1, 65536]", "[1, 256]"
+BLOCK, DEPTH, THREADS = "[512, 268435456]", "[1, 65536]", "[1, 256]"
 
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"block_size": 0}, f"block_size must be an integer in {BLOCK}, got 0"),
     ({"block_size": 2**40}, f"block_size must be an integer in {BLOCK}, got 1099511627776"),
-    ({"block_size": 512}, f"block_size must be an integer in {BLOCK}, got 512"),
+    ({"block_size": 511}, f"block_size must be an integer in {BLOCK}, got 511"),
     ({"queue_depth": -1}, f"queue_depth must be an integer in {DEPTH}, got -1"),
     ({"queue_depth": 10**12}, f"queue_depth must be an integer in {DEPTH}, got 1000000000000"),
     ({"queue_depth": 65537}, f"queue_depth must be an integer in {DEPTH}, got 65537"),

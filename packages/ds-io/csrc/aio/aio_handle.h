@@ -39,7 +39,7 @@ namespace ds_io {
 constexpr int64_t kAlign = 4096;
 
 // The settings' allowed ranges (ds_io/_limits.py holds the same numbers; a test compares them).
-constexpr int64_t kMinBlockSize = 4096;               // one O_DIRECT alignment unit
+constexpr int64_t kMinBlockSize = 512;  // one sector; O_DIRECT pieces are rounded up to kAlign
 constexpr int64_t kMaxBlockSize = int64_t(256) << 20;  // 256 MiB
 constexpr int64_t kMinQueueDepth = 1;
 constexpr int64_t kMaxQueueDepth = 65536;             // the default of /proc/sys/fs/aio-max-nr

@@ -3,8 +3,9 @@
 The C++ core holds the same numbers (``csrc/aio/aio_handle.h``) and refuses values outside them
 as well; a test checks that the two agree.
 
-* ``block_size`` 4 KiB .. 256 MiB: a request is cut into pieces of this size. O_DIRECT needs
-  4096-byte multiples (smaller values would be rounded up anyway); Linux splits any single request
+* ``block_size`` 512 B .. 256 MiB: a request is cut into pieces of this size (DeepSpeed's tests and
+  users pass 1024). With O_DIRECT a piece is rounded up to a 4096-byte multiple (a multiple of every
+  device's logical block: 512 or 4096); buffered I/O uses the size as given. Linux splits any single request
   above the device's ``max_sectors_kb`` (a few MiB) and each worker may hold a bounce buffer of
   one piece, so pieces above 256 MiB buy nothing and cost memory.
 * ``queue_depth`` 1 .. 65536: pieces in flight per worker. Each worker calls libaio's
@@ -19,7 +20,7 @@ as well; a test checks that the two agree.
 
 from __future__ import annotations
 
-BLOCK_SIZE_MIN = 4096
+BLOCK_SIZE_MIN = 512
 BLOCK_SIZE_MAX = 256 * 1024 * 1024
 QUEUE_DEPTH_MIN = 1
 QUEUE_DEPTH_MAX = 65536
