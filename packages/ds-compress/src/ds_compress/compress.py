@@ -81,9 +81,11 @@ def plan(model: nn.Module, config: CompressionConfig) -> list[Entry]:
                 types = _DEFAULT.get(technique, _TARGETS[technique]) if pattern is None else _TARGETS[technique]
                 names = [n for n in _match(model, pattern, types, f"{key}.modules")
                          if not any(x.search(n) for x in excluded)]
-                if not names:
+                if not names:  # DeepSpeed skips it (one config may serve several models); we say so
                     kinds = "/".join(t.__name__ for t in types)
-                    raise ValueError(f"{key}.modules: pattern {pattern!r} matches no {kinds} module of the model")
+                    logger.warning("%s.modules: pattern %r matches no %s module of the model; nothing of it is "
+                                   "compressed", key, pattern, kinds)
+                    continue
                 for name in names:
                     if name in owner:
                         raise ValueError(f"{key}.modules: {name!r} is already compressed by group "
