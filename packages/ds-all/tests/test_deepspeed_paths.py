@@ -146,23 +146,23 @@ def test_the_deepspeed_logger_is_deepspeeds():
     assert logger is logging.getLogger("DeepSpeed") and logger.level == logging.INFO and not logger.propagate
 
 
-def _run_example(script: str, *args: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "DS_EXAMPLE_BACKEND"}
+def _run_example(tmp_path: Path, script: str, *args: str) -> dict:
+    out = tmp_path / "losses.json"
+    env = {**{k: v for k, v in os.environ.items() if k != "DS_EXAMPLE_BACKEND"}, "DS_EXAMPLE_LOSSES": str(out)}
     result = subprocess.run([sys.executable, "-m", "ds_launch", "--num_procs", "2", str(EXAMPLES / script), *args],
                             capture_output=True, text=True, timeout=300, env=env, cwd=EXAMPLES)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    (line,) = [line for line in result.stdout.splitlines() if line.startswith("LOSSES ")]
-    return json.loads(line[len("LOSSES "):])
+    assert result.returncode == 0 and out.exists(), result.stdout[-4000:] + result.stderr[-4000:]
+    return json.loads(out.read_text())
 
 
 @pytest.mark.parametrize("stage, dtype", [(2, "fp32"), (3, "bf16")])
-def test_deepspeed_cifar10_example_runs_with_deepspeeds_losses(stage, dtype):
+def test_deepspeed_cifar10_example_runs_with_deepspeeds_losses(tmp_path, stage, dtype):
     """DeepSpeedExamples' CIFAR-10 script (DeepSpeed's config with its deprecated ``cpu_offload``, Adam +
     WarmupLR, ``get_accelerator().device_name(engine.local_rank)``, ``bfloat16_enabled()``) gives the losses
     DeepSpeed 0.19.8 gave on the same data (fixtures made with DS_EXAMPLE_BACKEND=deepspeed: equal to the
     last bit on the CPU they came from; tolerance for other CPUs' kernels)."""
     expected = json.loads((EXAMPLES / "cifar10_losses.json").read_text())["runs"][f"stage {stage} {dtype}"]
-    got = _run_example("cifar10_deepspeed.py", "--stage", str(stage), "--dtype", dtype)
+    got = _run_example(tmp_path, "cifar10_deepspeed.py", "--stage", str(stage), "--dtype", dtype)
     tolerance = {"fp32": 1e-5, "bf16": 2e-2}[dtype]  # bf16: a loss may round one bf16 step the other way
     torch.testing.assert_close(torch.tensor(got["rank0"]), torch.tensor(expected["rank0"]), rtol=0, atol=tolerance)
     assert got["lr"] == pytest.approx(expected["lr"], rel=1e-12)
