@@ -19,7 +19,7 @@ DUMP_SCRIPT = textwrap.dedent("""
     names = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
              "CROSS_RANK", "CROSS_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE",
              "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES"]
-    extra = [n for n in os.environ if n.startswith(("HOSTILE", "NCCL_", "UCX_", "FROM_ENV_FILE"))]
+    extra = [n for n in os.environ if n.startswith(("HOSTILE", "NCCL_", "UCX_", "MV2_", "FROM_ENV_FILE"))]
     record = {"argv": sys.argv[1:], "env": {n: os.environ.get(n) for n in names + extra},
               "cpus": sorted(os.sched_getaffinity(0)), "ppid": os.getppid(), "cwd": os.getcwd()}
     out = os.environ["DUMP_DIR"]

@@ -104,6 +104,47 @@ def test_bad_input_is_one_line_and_exit_2(case, tmp_path, script, run_launcher):
         assert script.read_text().startswith("import sys"), "the script was overwritten"
 
 
+@pytest.mark.parametrize("hostfile, include, exclude, nodes, procs, message", [
+    # where DeepSpeed's runner.py raises ValueError (_parse_hostfile, parse_resource_filter,
+    # parse_node_config's int(), main's num_nodes/gpus check), ds-launch's helpers do too
+    ("a slots=1\na slots=2\n", "", "", None, None, "host 'a' is listed twice"),
+    ("a slots\n", "", "", None, None, "expected 'hostname slots=N', got 'a slots'"),
+    ("# empty\n", "", "", None, None, "names no host"),
+    ("a slots=x\n", "", "", None, None, "slots must be an integer from 1 to 4096, got 'x'"),
+    ("a slots=2\n", "a", "a", None, None, "--include and --exclude cannot be used together"),
+    ("a slots=2\n", "z", "", None, None, "--include 'z': host 'z' is not among the hosts (a)"),
+    ("a slots=2\n", "", "z:0", None, None, "--exclude 'z:0': host 'z' is not among the hosts (a)"),
+    ("a slots=2\n", "a:5", "", None, None, "host 'a' has no slot 5"),
+    ("a slots=2\n", "a:one", "", None, None, "slot 'one' of host 'a' is not a non-negative integer"),
+    ("a slots=2\n", "a", "", 1, None, "--num_nodes/--num_gpus cannot be combined with --include/--exclude"),
+    ("a slots=2\n", "", "", 2, None, "--num_nodes 2 asks for more nodes than the 1 available"),
+    ("a slots=2\n", "", "", None, 3, "--num_gpus 3 asks for more processes than host 'a' has slots (2)"),
+])
+def test_public_helpers_raise_value_error_naming_the_value(tmp_path, hostfile, include, exclude, nodes, procs,
+                                                            message):
+    from ds_launch import parse_hostfile, select_resources
+
+    path = tmp_path / "hostfile"
+    path.write_text(hostfile)
+    with pytest.raises(ValueError) as info:
+        select_resources(parse_hostfile(str(path)), include, exclude, nodes, procs)
+    assert message in str(info.value)
+    assert type(info.value).__name__ == "LaunchError"  # ValueError, also as the CLI's one-line error
+
+
+@pytest.mark.parametrize("launcher, program", [("openmpi", "Open MPI's mpirun ('mpirun')"),
+                                               ("mvapich", "MVAPICH's mpirun ('mpirun')"),
+                                               ("mpich", "MPICH's mpirun ('mpirun')")])
+def test_missing_mpi_is_a_clear_error(tmp_path, script, run_launcher, launcher, program):
+    """DeepSpeed: RuntimeError "launcher 'X' not installed"; here one line naming what is missing."""
+    hostfile = _hostfile(tmp_path, "a slots=1\nb slots=1\n")
+    result = run_launcher("--hostfile", hostfile, "--launcher", launcher, str(script), str(tmp_path / "ran"),
+                          env={"PATH": str(tmp_path)})
+    assert result.returncode == 2
+    assert result.stderr.strip() == f"ds-launch: error: --launcher {launcher} needs {program} on PATH; not found"
+    assert not (tmp_path / "ran").exists()
+
+
 def test_core_list_error_is_short_and_names_the_available_cores(tmp_path, script, run_launcher):
     from ds_launch.affinity import available_cores, format_cores
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import shlex
+import sys
+
 import pytest
 
 VALUES = ["-mca btl_tcp_if_include eth1", "-H node1,node2", "-x NCCL_DEBUG=INFO", "-e x", "-i y", "--oversubscribe"]
@@ -20,6 +23,34 @@ def test_launcher_args_may_start_with_a_dash(tmp_path, run_launcher, value, form
     mpirun = next(line for line in result.stdout.splitlines() if line.strip().startswith("mpirun "))
     assert f" --map-by slot {value} " in mpirun, mpirun
     assert " -m " not in mpirun.split(value)[0]  # not taken as --module
+
+
+def test_deepspeeds_documented_launcher_args_with_a_hostfile(tmp_path, run_launcher):
+    """The issue's command line, word for word: ``--hostfile H --launcher openmpi --launcher_args
+    '-mca btl_tcp_if_include eth1' train.py``; the user's interface replaces DeepSpeed's eth0 default."""
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("worker-0 slots=2\nworker-1 slots=2\n")
+    script = tmp_path / "train.py"
+    script.write_text("")
+    result = run_launcher("--hostfile", str(hostfile), "--launcher", "openmpi", "--launcher_args",
+                          "-mca btl_tcp_if_include eth1", "--dry_run", str(script), "--deepspeed_config", "c.json")
+    assert result.returncode == 0, result.stderr
+    mpirun = next(shlex.split(line) for line in result.stdout.splitlines() if line.strip().startswith("mpirun "))
+    shim = mpirun.index(sys.executable)
+    assert mpirun[:shim] == ["mpirun", "-n", "4", "-hostfile", "{hostfile}", "--mca", "btl", "^openib",
+                             "--map-by", "slot", "-mca", "btl_tcp_if_include", "eth1", "-x", "UCX_TLS=tcp"]
+    assert f"{script} --local_rank=0 --deepspeed_config c.json" in result.stdout
+
+
+@pytest.mark.parametrize("name", ["OpenMPI", "MVAPICH", "PDSH", "Slurm"])
+def test_launcher_name_in_any_case(tmp_path, run_launcher, name):
+    """DeepSpeed lower-cases --launcher (its help lists 'PDSH, OpenMPI, MVAPICH, SLURM, MPICH')."""
+    script = tmp_path / "train.py"
+    script.write_text("")
+    result = run_launcher("--force_multi", "--launcher", name, "--dry_run", str(script))
+    assert result.returncode == 0, result.stderr
+    assert {"openmpi": "[mpirun (openmpi)]", "mvapich": "[mpirun (mvapich)]", "pdsh": "[pdsh]",
+            "slurm": "[srun]"}[name.lower()] in result.stdout
 
 
 @pytest.mark.parametrize("short, long", [("-H", "hostfile"), ("-i", "include"), ("-e", "exclude")])

@@ -265,11 +265,13 @@ FAKE_MPIRUN = textwrap.dedent("""
     slots = [int(line.split("slots=")[1]) for line in open(hostfile)]
     json.dump({{"hostfile": hostfile, "content": open(hostfile).read(), "argv": args}},
               open(os.environ["FAKE_MPIRUN_RECORD"], "w"))
-    command = args[args.index("--map-by") + 2:]
+    start = args.index("ds_launch.rank_env") - 3  # python -u -m ds_launch.rank_env
+    exported = dict(args[i + 1].split("=", 1) for i in range(start) if args[i] == "-x")
+    command = args[start:]
     procs, rank = [], 0
     for size in slots:
         for local in range(size):
-            env = dict(os.environ, OMPI_COMM_WORLD_RANK=str(rank), OMPI_COMM_WORLD_SIZE=str(n),
+            env = dict(os.environ, **exported, OMPI_COMM_WORLD_RANK=str(rank), OMPI_COMM_WORLD_SIZE=str(n),
                        OMPI_COMM_WORLD_LOCAL_RANK=str(local), OMPI_COMM_WORLD_LOCAL_SIZE=str(size))
             procs.append(subprocess.Popen(command, env=env))
             rank += 1
@@ -299,3 +301,54 @@ def test_openmpi_launch_through_a_stand_in_mpirun(tmp_path, dump, run_launcher, 
     assert layout == [("0", "0", "0"), ("1", "1", "0"), ("2", "0", "1")]
     assert [read(r)["env"]["LOCAL_WORLD_SIZE"] for r in range(3)] == ["2", "2", "1"]
     assert all(read(r)["argv"] == [f"--local_rank={read(r)['env']['LOCAL_RANK']}", "x"] for r in range(3))
+    # DeepSpeed's OpenMPIRunner defaults: --mca btl ^openib, btl_tcp_if_include eth0, -x UCX_TLS=tcp
+    assert seen["argv"][4:12] == ["--mca", "btl", "^openib", "--mca", "btl_tcp_if_include", "eth0", "--map-by", "slot"]
+    assert [read(r)["env"]["UCX_TLS"] for r in range(3)] == ["tcp"] * 3
+
+
+# A stand-in for MVAPICH's mpirun (Hydra): records what it was given, then starts -np copies of
+# the command, -ppn per host of its hostfile, with -env NAME=VALUE and Hydra's PMI_* variables.
+FAKE_HYDRA = textwrap.dedent("""
+    #!{python}
+    import json, os, subprocess, sys
+    args = sys.argv[1:]
+    n, ppn = int(args[args.index("-np") + 1]), int(args[args.index("-ppn") + 1])
+    hostfile = args[args.index("--hostfile") + 1]
+    hosts = open(hostfile).read().split()
+    json.dump({{"content": open(hostfile).read(), "argv": args}}, open(os.environ["FAKE_MPIRUN_RECORD"], "w"))
+    start = args.index("ds_launch.rank_env") - 3
+    exported = dict(args[i + 1].split("=", 1) for i in range(start) if args[i] == "-env")
+    procs = []
+    for rank in range(n):
+        env = dict(os.environ, **exported, PMI_RANK=str(rank), PMI_SIZE=str(n), MPI_LOCALRANKID=str(rank % ppn))
+        procs.append(subprocess.Popen(args[start:], env=env))
+    sys.exit(max(p.wait() for p in procs))
+""")
+
+
+def test_mvapich_launch_through_a_stand_in_mpirun(tmp_path, dump, run_launcher, port):
+    """DeepSpeed's MVAPICHRunner command: mpirun -np N -ppn P --hostfile <hosts> -env MV2_...=..."""
+    script, out, read = dump
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    _write(bin_dir, "mpirun", FAKE_HYDRA.format(python=sys.executable).lstrip()).chmod(0o755)
+    _write(bin_dir, "mpiname", "#!/bin/sh\necho 'MVAPICH2-GDR 2.3.7 Wed March 02 22:00:00 EST 2022 ch3:mrail'\n").chmod(0o755)
+    hostfile = _write(tmp_path, "hostfile", "a slots=2\nb slots=2\n")
+    (tmp_path / ".deepspeed_env").write_text(f"DUMP_DIR={out}\nMV2_SUPPORT_DL=0\n")
+    record = tmp_path / "mpirun.json"
+    result = run_launcher("--hostfile", str(hostfile), "--launcher", "mvapich", "--master_addr", "127.0.0.1",
+                          "--master_port", str(port), str(script), cwd=tmp_path,
+                          env={"PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_MPIRUN_RECORD": str(record)})
+    assert result.returncode == 0, result.stderr
+    import json
+
+    seen = json.loads(record.read_text())
+    assert seen["content"] == "a\nb\n"
+    assert seen["argv"][:6] == ["-np", "4", "-ppn", "2", "--hostfile", seen["argv"][5]]
+    env_args = seen["argv"][6:seen["argv"].index(sys.executable)]
+    # DeepSpeed's defaults in its order, less MV2_USE_CUDA (no GPU here) and the one the user set
+    assert env_args == ["-env", "MV2_SMP_USE_CMA=0", "-env", "MV2_DEBUG_SHOW_BACKTRACE=1", "-env", "MV2_ENABLE_AFFINITY=0",
+                        "-env", "MV2_INTER_ALLGATHER_TUNING=5", "-env", "MV2_CUDA_USE_NAIVE=0"]
+    layout = [(read(r)["env"]["RANK"], read(r)["env"]["LOCAL_RANK"], read(r)["env"]["CROSS_RANK"]) for r in range(4)]
+    assert layout == [("0", "0", "0"), ("1", "1", "0"), ("2", "0", "1"), ("3", "1", "1")]
+    assert [(read(r)["env"]["MV2_SMP_USE_CMA"], read(r)["env"]["MV2_SUPPORT_DL"]) for r in range(4)] == [("0", "0")] * 4

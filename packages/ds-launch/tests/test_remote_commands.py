@@ -12,7 +12,13 @@ import pytest
 
 from ds_launch import LaunchError
 from ds_launch.rank_env import resolve
-from ds_launch.runners import build_commands, forwarded_env, read_env_file, remote_command
+from ds_launch.runners import (
+    build_commands,
+    check_backend,
+    forwarded_env,
+    read_env_file,
+    remote_command,
+)
 from ds_launch.spec import NodeSpec, Program
 
 HOSTILE = [
@@ -97,7 +103,7 @@ def test_ssh_command_shape():
         assert remote[remote.index("--node_rank") + 1] == str(i)
         assert remote[-1] == "--watch_stdin"
         decoded = NodeSpec.decode(remote[remote.index("--spec") + 1], i)
-        assert decoded.cwd == "/work" and decoded.env == {"PATH": "/bin"}
+        assert decoded.cwd == "/work" and decoded.env == {"PATH": "/bin", "PYTHONPATH": "/work"}
         assert decoded.program == spec.program and decoded.world == spec.world
 
 
@@ -115,7 +121,102 @@ def test_mpi_and_slurm_command_shapes(tmp_path):
         shim = command.argv[-6:]
         assert shim[:5] == [sys.executable, "-u", "-m", "ds_launch.rank_env", "--spec"]
         decoded = NodeSpec.decode(shim[5])
-        assert decoded.env == {"PATH": "/bin", "NCCL_DEBUG": "INFO"} and decoded.cwd == str(tmp_path)
+        assert decoded.env == {"PATH": "/bin", "NCCL_DEBUG": "INFO", "PYTHONPATH": str(tmp_path)}
+        assert decoded.cwd == str(tmp_path)
+
+
+def _before_shim(command) -> list[str]:
+    return command.argv[:command.argv.index(sys.executable)]
+
+
+OPENMPI_HEAD = ["mpirun", "-n", "4", "-hostfile", "{hostfile}"]
+MCA_DEFAULTS = ["--mca", "btl", "^openib", "--mca", "btl_tcp_if_include", "eth0"]
+
+
+@pytest.mark.parametrize("launcher_args, environ, expected", [
+    # DeepSpeed's OpenMPIRunner: --mca btl ^openib, --mca btl_tcp_if_include eth0, the user's
+    # arguments after them, then -x UCX_TLS=tcp (ds-launch adds --map-by slot for its rank shim)
+    ("", {}, [*MCA_DEFAULTS, "--map-by", "slot", "-x", "UCX_TLS=tcp"]),
+    ("--oversubscribe", {}, [*MCA_DEFAULTS, "--map-by", "slot", "--oversubscribe", "-x", "UCX_TLS=tcp"]),
+    # a user's btl_tcp_if_include replaces the default (as in DeepSpeed), with -mca or --mca
+    ("-mca btl_tcp_if_include eth1", {},
+     ["--mca", "btl", "^openib", "--map-by", "slot", "-mca", "btl_tcp_if_include", "eth1", "-x", "UCX_TLS=tcp"]),
+    ("--mca btl_tcp_if_include ib0", {},
+     ["--mca", "btl", "^openib", "--map-by", "slot", "--mca", "btl_tcp_if_include", "ib0", "-x", "UCX_TLS=tcp"]),
+    # beyond DeepSpeed: Open MPI refuses include + exclude, and joins two values of one name
+    ("--mca btl_tcp_if_exclude lo,docker0", {},
+     ["--mca", "btl", "^openib", "--map-by", "slot", "--mca", "btl_tcp_if_exclude", "lo,docker0", "-x", "UCX_TLS=tcp"]),
+    ("--mca btl tcp,self", {},
+     ["--mca", "btl_tcp_if_include", "eth0", "--map-by", "slot", "--mca", "btl", "tcp,self", "-x", "UCX_TLS=tcp"]),
+    # an OMPI_MCA_ variable is a setting too (a command-line default would override it)
+    ("", {"OMPI_MCA_btl_tcp_if_include": "ib0"}, ["--mca", "btl", "^openib", "--map-by", "slot", "-x", "UCX_TLS=tcp"]),
+    # the user's placement replaces --map-by slot; the user's UCX_TLS replaces the default
+    ("--map-by ppr:2:node", {}, [*MCA_DEFAULTS, "--map-by", "ppr:2:node", "-x", "UCX_TLS=tcp"]),
+    ("", {"UCX_TLS": "rc,sm"}, [*MCA_DEFAULTS, "--map-by", "slot"]),
+])
+def test_openmpi_command_has_deepspeeds_defaults(tmp_path, launcher_args, environ, expected):
+    spec = NodeSpec({"a": [0, 1], "b": [0, 1]}, 0, "a", 29500, Program("train.py", ("--lr", "1")))
+    (command,) = build_commands("openmpi", spec, launcher_args, environ={"PATH": "/bin", **environ}, cwd=str(tmp_path))
+    assert _before_shim(command) == OPENMPI_HEAD + expected
+    decoded = NodeSpec.decode(command.argv[-1])
+    assert decoded.env.get("UCX_TLS") == environ.get("UCX_TLS")  # the user's value travels with the launch
+    assert decoded.program.args == ("--lr", "1")
+
+
+def test_mvapich_command_is_deepspeeds(tmp_path):
+    """DeepSpeed's MVAPICHRunner: mpirun -np N -ppn P --hostfile H <launcher_args> -env MV2_...=... ."""
+    spec = NodeSpec({"a": [0, 1, 2], "b": [0, 1, 2]}, 0, "a", 29500, Program("train.py"))
+    environ = {"PATH": "/bin", "CUDA_VISIBLE_DEVICES": "0,1,2", "MV2_ENABLE_AFFINITY": "1"}
+    (command,) = build_commands("mvapich", spec, "-verbose", environ=environ, cwd=str(tmp_path))
+    assert command.files == {"{hostfile}": "a\nb\n"}  # host names only, one per line
+    assert _before_shim(command) == [
+        "mpirun", "-np", "6", "-ppn", "3", "--hostfile", "{hostfile}", "-verbose",
+        "-env", "MV2_SMP_USE_CMA=0", "-env", "MV2_DEBUG_SHOW_BACKTRACE=1", "-env", "MV2_USE_CUDA=1",
+        "-env", "MV2_SUPPORT_DL=1", "-env", "MV2_INTER_ALLGATHER_TUNING=5", "-env", "MV2_CUDA_USE_NAIVE=0"]
+    assert NodeSpec.decode(command.argv[-1]).env["MV2_ENABLE_AFFINITY"] == "1"  # the user's, not the default 0
+    (cpu,) = build_commands("mvapich", spec, environ={"PATH": "/bin", "CUDA_VISIBLE_DEVICES": ""}, cwd=str(tmp_path))
+    assert "MV2_USE_CUDA=1" not in cpu.argv and "MV2_ENABLE_AFFINITY=0" in cpu.argv
+    uneven = NodeSpec({"a": [0, 1], "b": [0]}, 0, "a", 29500, Program("train.py"))
+    with pytest.raises(ValueError, match="the mvapich launcher needs the same number of processes on every node"):
+        build_commands("mvapich", uneven, environ={})
+    picked = NodeSpec({"a": [1], "b": [1]}, 0, "a", 29500, Program("train.py"))
+    with pytest.raises(ValueError, match="the mvapich launcher cannot pick slots"):
+        build_commands("mvapich", picked, environ={})
+
+
+def test_multi_node_ranks_get_the_launch_directory_on_pythonpath_and_mlflow_variables(tmp_path):
+    """DeepSpeed's runner puts the working directory first on PYTHONPATH and exports MLFLOW*."""
+    spec = NodeSpec({"a": [0], "b": [0]}, 0, "a", 29500, Program("train.py"))
+    environ = {"PATH": "/bin", "PYTHONPATH": "/lib/x", "MLFLOW_TRACKING_URI": "http://m:5000", "OTHER": "no"}
+    for launcher in ("ssh", "pdsh", "openmpi", "mpich", "mvapich", "slurm"):
+        command = build_commands(launcher, spec, environ=environ, cwd=str(tmp_path))[0]
+        payload = command.argv[-1].split()[command.argv[-1].split().index("--spec") + 1] \
+            if launcher in ("ssh", "pdsh") else command.argv[-1]
+        env = NodeSpec.decode(payload).env
+        assert env["PYTHONPATH"] == f"{tmp_path}:/lib/x", launcher
+        assert env["MLFLOW_TRACKING_URI"] == "http://m:5000" and "OTHER" not in env
+
+
+def test_missing_backend_is_named_before_anything_starts(tmp_path):
+    spec = NodeSpec({"a": [0], "b": [0]}, 0, "a", 29500, Program("train.py"))
+    empty = {"PATH": str(tmp_path)}
+    for launcher, program in [("openmpi", "Open MPI's mpirun ('mpirun')"), ("mvapich", "MVAPICH's mpirun ('mpirun')"),
+                              ("slurm", "SLURM's srun ('srun')"), ("pdsh", "pdsh ('pdsh')")]:
+        (command,) = build_commands(launcher, spec, environ=empty, cwd=str(tmp_path))
+        with pytest.raises(ValueError, match=rf"--launcher {launcher} needs {re.escape(program)} on PATH; not found"):
+            check_backend(launcher, command, empty)
+    # MVAPICH as DeepSpeed checks it: its mpiname must exist and say MVAPICH
+    (command,) = build_commands("mvapich", spec, environ=empty, cwd=str(tmp_path))
+    (tmp_path / "mpirun").write_text("#!/bin/sh\n")
+    (tmp_path / "mpirun").chmod(0o755)
+    with pytest.raises(ValueError, match="needs MVAPICH's 'mpiname' on PATH"):
+        check_backend("mvapich", command, empty)
+    (tmp_path / "mpiname").write_text("#!/bin/sh\necho 'Open MPI 4.1.5'\n")
+    (tmp_path / "mpiname").chmod(0o755)
+    with pytest.raises(ValueError, match=r"mpiname says 'Open MPI 4\.1\.5', not MVAPICH"):
+        check_backend("mvapich", command, empty)
+    (tmp_path / "mpiname").write_text("#!/bin/sh\necho 'MVAPICH2 2.3.7 ch3:mrail'\n")
+    check_backend("mvapich", command, empty)
 
 
 def test_env_file_errors_name_the_line(tmp_path):
@@ -134,10 +235,10 @@ def test_forwarded_env_takes_prefixes_then_home_then_cwd_files(tmp_path):
     (home / ".deepspeed_env").write_text("X=home\nY=home\n")
     (cwd / ".deepspeed_env").write_text("Y=cwd\n")
     environ = {"PATH": "/bin", "NCCL_A": "1", "PYTHONPATH": "/p", "MV2_B": "2", "UCX_C": "3", "DS_D": "4",
-               "SECRET_TOKEN": "no", "HOME": "/root"}
+               "MLFLOW_E": "5", "SECRET_TOKEN": "no", "HOME": "/root"}
     env = forwarded_env(environ, cwd=str(cwd), home=str(home))
     assert env == {"PATH": "/bin", "NCCL_A": "1", "PYTHONPATH": "/p", "MV2_B": "2", "UCX_C": "3", "DS_D": "4",
-                   "X": "home", "Y": "cwd"}
+                   "MLFLOW_E": "5", "X": "home", "Y": "cwd"}
 
 
 WORLD = NodeSpec({"a": [0, 1], "b": [0, 1]}, 0, "a", 29500, Program("train.py"))
@@ -145,6 +246,7 @@ WORLD = NodeSpec({"a": [0, 1], "b": [0, 1]}, 0, "a", 29500, Program("train.py"))
 
 @pytest.mark.parametrize("env, rank, local_rank, node", [
     ({"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "1"}, 3, 1, 1),
+    ({"MV2_COMM_WORLD_RANK": "2", "MV2_COMM_WORLD_SIZE": "4", "MV2_COMM_WORLD_LOCAL_RANK": "0"}, 2, 0, 1),
     ({"PMI_RANK": "1", "PMI_SIZE": "4", "MPI_LOCALRANKID": "1"}, 1, 1, 0),
     ({"SLURM_PROCID": "2", "SLURM_NTASKS": "4", "SLURM_LOCALID": "0"}, 2, 0, 1),
 ])

@@ -30,7 +30,7 @@ from .resources import (
     parse_hostfile,
     select_resources,
 )
-from .runners import LAUNCHERS, LaunchCommand, build_commands, forwarded_env
+from .runners import LAUNCHERS, LaunchCommand, build_commands, check_backend, remote_env
 from .spec import DEFAULT_MASTER_PORT, NodeSpec, Program
 
 
@@ -98,8 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--master_addr", default="",
                    help="address of rank 0 (default: 127.0.0.1 on one node, else the first host)")
     n.add_argument("--master_port", type=_port, default=DEFAULT_MASTER_PORT, help="rank 0's TCP port (default 29500)")
-    n.add_argument("--launcher", choices=LAUNCHERS, default=None,
-                   help="how to reach other nodes (default: ssh when there is more than one)")
+    n.add_argument("--launcher", type=str.lower, choices=LAUNCHERS, default=None,
+                   help="how to reach other nodes, any case as in DeepSpeed (default: ssh when there is more than one)")
     n.add_argument("--launcher_args", default="", help="extra arguments for the launcher command, as one string")
     n.add_argument("--ssh_port", type=_port, default=None, help="ssh port of the remote nodes")
     n.add_argument("--force_multi", action="store_true",
@@ -124,6 +124,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run the program directly as an executable, without the Python interpreter")
     g.add_argument("--no_local_rank", action="store_true",
                    help="do not pass --local_rank=N to the program (the LOCAL_RANK variable is always set)")
+    g.add_argument("--deepspeed_alias", action="store_true",
+                   help="run an unmodified DeepSpeed script on ds_all: in the ranks, for this launch only, "
+                        "'import deepspeed' gives ds_all and deepspeed.X gives ds_all.X (refused when a real "
+                        "DeepSpeed is importable)")
     p.add_argument("user_script", help="the script, module or executable to run on every rank")
     p.add_argument("user_args", nargs=argparse.REMAINDER, help="arguments passed on to the program")
     return p
@@ -242,8 +246,13 @@ def make_plan(argv: list[str]):
         master = "127.0.0.1"
     check_hostname(master, "--master_addr", allow_ip=True)
     node_rank = args.node_rank or 0
+    if args.deepspeed_alias:
+        from ._alias import check_alias
+
+        check_alias(program, multi)
     spec = NodeSpec(world, node_rank, master, args.master_port, program, args.bind_cores_to_rank,
-                    args.bind_core_list, args.enable_each_rank_log, args.kill_grace)
+                    args.bind_core_list, args.enable_each_rank_log, args.kill_grace,
+                    deepspeed_alias=args.deepspeed_alias)
     launcher = (args.launcher or "ssh") if multi else None
     return args, spec, launcher
 
@@ -262,7 +271,7 @@ def _print_dry_run(spec: NodeSpec, commands: list[LaunchCommand] | None) -> None
         print(f"  {shlex.join(cmd.argv)}")
     if commands:
         print(f"\nevery node: working directory {shlex.quote(os.getcwd())}, forwarded environment:")
-        print("  " + " ".join(f"{k}={shlex.quote(v)}" for k, v in forwarded_env().items()))
+        print("  " + " ".join(f"{k}={shlex.quote(v)}" for k, v in remote_env().items()))
     nodes = range(len(spec.world)) if commands else [spec.node_rank]
     devices = local_accelerators()
     for node in nodes:
@@ -338,6 +347,8 @@ def run(argv: list[str]) -> int:
     if args.dry_run:
         _print_dry_run(spec, commands)
         return 0
+    if commands:
+        check_backend(launcher, commands[0])
     if spec.node_rank == 0 and is_local_address(spec.master_addr):
         check_port_free(spec.master_addr, spec.master_port)
     pid_file = _write_pid_file(args.save_pid) if args.save_pid is not None else None

@@ -1,4 +1,4 @@
-"""Per-rank shim for launchers that start every rank themselves (Open MPI, MPICH, SLURM).
+"""Per-rank shim for launchers that start every rank themselves (Open MPI, MPICH, MVAPICH, SLURM).
 
 ``python -u -m ds_launch.rank_env --spec <base64>`` reads its rank from the launcher's variables,
 enters the launch's working directory, sets the forwarded environment and the variables a
@@ -16,9 +16,10 @@ import sys
 from .resources import LaunchError
 from .spec import NodeSpec, RankPlan
 
-# (rank, world size, local rank) variables of each launcher family: Open MPI, MPICH/Hydra, SLURM.
+# (rank, world size, local rank) variables of each launcher family: Open MPI, MVAPICH, MPICH/Hydra, SLURM.
 SOURCES = (
     ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
+    ("MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_LOCAL_RANK"),
     ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"),
     ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"),
 )

@@ -18,11 +18,15 @@ DEFAULT_HOSTFILE = "/job/hostfile"
 _HOSTNAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*\Z")
 _DIGITS = re.compile(r"[0-9]+\Z")  # str.isdigit() also takes '²', which int() refuses
 MAX_SLOTS = 4096  # processes per host; a typo such as slots=10000000000 must not exhaust memory
-_HOSTFILE_LINE = re.compile(r"(?P<host>\S+)\s+slots\s*=\s*(?P<slots>\S+)\Z")
+# 'host slots=N', then anything (Open MPI's 'max_slots=M', say): DeepSpeed reads the same lines.
+_HOSTFILE_LINE = re.compile(r"(?P<host>\S+)\s+slots\s*=\s*(?P<slots>\S+)(?:\s.*)?\Z")
 
 
-class LaunchError(Exception):
-    """Bad input to the launcher: a one-line message, reported with exit code 2."""
+class LaunchError(ValueError):
+    """Bad input to the launcher: a one-line message, reported with exit code 2.
+
+    A ``ValueError``, as DeepSpeed's launcher raises for a bad hostfile line or resource filter, so
+    ``except ValueError`` written for DeepSpeed's helpers catches ours."""
 
 
 Resources = dict[str, list[int]]
@@ -54,7 +58,9 @@ def read_lines(path: str, what: str) -> list[str]:
 
 
 def parse_hostfile(path: str) -> Resources:
-    """Read a DeepSpeed hostfile: ``hostname slots=N`` per line; ``#`` comments and blank lines ok."""
+    """Read a DeepSpeed hostfile: ``hostname slots=N`` per line; ``#`` comments and blank lines ok;
+    words after ``slots=N`` (Open MPI's ``max_slots=M``) are ignored, as DeepSpeed ignores them.
+    Bad lines raise `LaunchError`, a ``ValueError`` naming the file, line and value."""
     resources: Resources = {}
     for number, raw in enumerate(read_lines(path, "hostfile"), start=1):
         line = raw.split("#", 1)[0].strip()

@@ -1,11 +1,13 @@
 """Multi-node runners: the commands that start a launch on several machines.
 
 ``ssh`` and ``pdsh`` start a node agent (``python -m ds_launch.node``) on every node through a
-remote shell; ``openmpi``, ``mpich`` and ``slurm`` start every rank themselves, and each rank
-passes through ``python -m ds_launch.rank_env``, which turns the MPI/SLURM variables into the
-ones a ds-launch rank sees. Either way the launch (working directory, forwarded environment,
-program and arguments) travels as one base64 argument: a remote command line holds only
-letters, digits and ``_./=%+-``, so no remote shell of any kind can read user data as code.
+remote shell; ``openmpi``, ``mpich``, ``mvapich`` and ``slurm`` start every rank themselves, and
+each rank passes through ``python -m ds_launch.rank_env``, which turns the MPI/SLURM variables
+into the ones a ds-launch rank sees. Either way the launch (working directory, forwarded
+environment, program and arguments) travels as one base64 argument: a remote command line holds
+only letters, digits and ``_./=%+-``, so no remote shell of any kind can read user data as code.
+The MPI runners add DeepSpeed's defaults (Open MPI's ``--mca`` settings and ``UCX_TLS=tcp``,
+MVAPICH's ``MV2_*`` settings) as DeepSpeed's ``multinode_runner.py`` does.
 """
 
 from __future__ import annotations
@@ -14,19 +16,38 @@ import dataclasses
 import os
 import re
 import shlex
+import shutil
+import subprocess
 import sys
 from dataclasses import dataclass, field
 
-from .resources import LaunchError, read_lines
+from .resources import LaunchError, local_accelerators, read_lines
 from .spec import NodeSpec
 
-LAUNCHERS = ("ssh", "pdsh", "openmpi", "mpich", "slurm")
-# Variables forwarded to remote nodes, as DeepSpeed does (DS_ for our own settings, e.g. DS_OPS_CACHE).
-EXPORT_PREFIXES = ("NCCL_", "PYTHON", "MV2_", "UCX_", "DS_")
+LAUNCHERS = ("ssh", "pdsh", "openmpi", "mpich", "mvapich", "slurm")
+# Variables forwarded to remote nodes: DeepSpeed's EXPORT_ENVS plus its CUDA accelerator's NCCL,
+# and DS_ for our own settings (e.g. DS_OPS_CACHE).
+EXPORT_PREFIXES = ("NCCL", "PYTHON", "MV2", "UCX", "MLFLOW", "DS_")
 EXPORT_NAMES = ("PATH",)
 ENV_FILE_NAME = ".deepspeed_env"
 HOSTFILE_PLACEHOLDER = "{hostfile}"
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+
+# What each launcher runs here, for a clear error when it is missing.
+BACKENDS = {"ssh": "the OpenSSH client", "pdsh": "pdsh", "openmpi": "Open MPI's mpirun", "mpich": "MPICH's mpirun",
+            "mvapich": "MVAPICH's mpirun", "slurm": "SLURM's srun"}
+# Open MPI: DeepSpeed's OpenMPIRunner passes these unless the user sets them (mpirun NAME VALUE pairs).
+OPENMPI_MCA_DEFAULTS = (("btl", "^openib"), ("btl_tcp_if_include", "eth0"))
+# A user's setting of one of these replaces the default of the key (Open MPI refuses include + exclude).
+_MCA_REPLACES = {"btl": ("btl",), "btl_tcp_if_include": ("btl_tcp_if_include", "btl_tcp_if_exclude")}
+_MCA_OPTIONS = ("-mca", "--mca", "-gmca", "--gmca")
+# Open MPI options that choose the placement; without one, ds-launch asks for --map-by slot.
+_OPENMPI_MAPPING = ("-map-by", "--map-by", "-bynode", "--bynode", "-byslot", "--byslot", "-npernode", "--npernode",
+                    "-pernode", "--pernode", "-N", "-ppr", "--ppr")
+# MVAPICH: the variables DeepSpeed's MVAPICHRunner exports (MV2_USE_CUDA only with a GPU), in its order.
+MVAPICH_ENV_DEFAULTS = (("MV2_SMP_USE_CMA", "0"), ("MV2_DEBUG_SHOW_BACKTRACE", "1"), ("MV2_USE_CUDA", "1"),
+                        ("MV2_SUPPORT_DL", "1"), ("MV2_ENABLE_AFFINITY", "0"), ("MV2_INTER_ALLGATHER_TUNING", "5"),
+                        ("MV2_CUDA_USE_NAIVE", "0"))
 
 
 @dataclass
@@ -59,7 +80,7 @@ def read_env_file(path: str) -> dict[str, str]:
 
 def forwarded_env(environ: dict[str, str] | None = None, cwd: str | None = None,
                   home: str | None = None) -> dict[str, str]:
-    """What remote ranks get from here: PATH, the NCCL_/PYTHON*/MV2_/UCX_/DS_ variables, then
+    """What remote ranks get from here: PATH, the NCCL*/PYTHON*/MV2*/UCX*/MLFLOW*/DS_* variables, then
     the ``.deepspeed_env`` files of the home and the working directory (the latter wins).
     ``DS_ENV_FILE`` names another file."""
     environ = dict(os.environ if environ is None else environ)
@@ -70,6 +91,15 @@ def forwarded_env(environ: dict[str, str] | None = None, cwd: str | None = None,
     for path in dict.fromkeys(candidates):
         if os.path.isfile(path):
             env.update(read_env_file(path))
+    return env
+
+
+def remote_env(environ: dict[str, str] | None = None, cwd: str | None = None) -> dict[str, str]:
+    """The environment a multi-node launch gives every rank: `forwarded_env`, with the launch
+    directory first on PYTHONPATH, as DeepSpeed's multi-node runners do."""
+    cwd = os.path.abspath(cwd or os.getcwd())
+    env = forwarded_env(environ, cwd)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (cwd, env.get("PYTHONPATH")) if p)
     return env
 
 
@@ -102,6 +132,21 @@ def _whole_hosts(spec: NodeSpec, launcher: str) -> None:
             )
 
 
+def _openmpi_defaults(extra: list[str], environ: dict[str, str]) -> list[str]:
+    """DeepSpeed's ``--mca`` defaults, less those the user sets in ``--launcher_args`` or as an
+    ``OMPI_MCA_<name>`` variable (Open MPI joins two values of one name, and a command-line value
+    would override the variable), then ``--map-by slot`` unless the user chose a placement."""
+    given = {extra[i + 1] for i in range(len(extra) - 1) if extra[i] in _MCA_OPTIONS}
+    given |= {k[len("OMPI_MCA_"):] for k in environ if k.startswith("OMPI_MCA_")}
+    out = []
+    for name, value in OPENMPI_MCA_DEFAULTS:
+        if not given.intersection(_MCA_REPLACES[name]):
+            out += ["--mca", name, value]
+    if not any(word in _OPENMPI_MAPPING or word.startswith("--map-by=") for word in extra):
+        out += ["--map-by", "slot"]  # rank_env needs the ranks host by host, in hostfile order
+    return out
+
+
 def build_commands(launcher: str, spec: NodeSpec, launcher_args: str = "", ssh_port: int | None = None,
                    environ: dict[str, str] | None = None, cwd: str | None = None) -> list[LaunchCommand]:
     """The local processes that start ``spec``'s world with ``launcher``."""
@@ -109,8 +154,10 @@ def build_commands(launcher: str, spec: NodeSpec, launcher_args: str = "", ssh_p
         extra = shlex.split(launcher_args)
     except ValueError as e:
         raise LaunchError(f"--launcher_args {launcher_args!r}: {e}") from None
+    environ = dict(os.environ if environ is None else environ)
     cwd = os.path.abspath(cwd or os.getcwd())
-    spec = dataclasses.replace(spec, cwd=cwd, env=forwarded_env(environ, cwd))
+    env = remote_env(environ, cwd)
+    spec = dataclasses.replace(spec, cwd=cwd, env=env)
     payload = spec.encode()
     hosts = spec.hosts
 
@@ -127,7 +174,7 @@ def build_commands(launcher: str, spec: NodeSpec, launcher_args: str = "", ssh_p
         # pdsh replaces %n with each host's position in the -w list: the node rank. It keeps each
         # remote command's stdin open while it lives, so the agents stop when pdsh is stopped. It
         # waits for every node before it exits, so its report of a failed node is watched for.
-        pdsh_env = {} if "PDSH_RCMD_TYPE" in (os.environ if environ is None else environ) else {"PDSH_RCMD_TYPE": "ssh"}
+        pdsh_env = {} if "PDSH_RCMD_TYPE" in environ else {"PDSH_RCMD_TYPE": "ssh"}
         return [LaunchCommand("pdsh", ["pdsh", "-S", "-b", "-f", "1024", "-w", ",".join(hosts), *extra, agent("%n")],
                               pdsh_env, failure_line=r"^pdsh@\S+: \S+: \S+ exited with exit code (?P<code>\d+)")]
     if spec.bind_cores_to_rank or spec.log_dir:
@@ -137,14 +184,51 @@ def build_commands(launcher: str, spec: NodeSpec, launcher_args: str = "", ssh_p
     if launcher == "openmpi":
         _whole_hosts(spec, launcher)
         content = "".join(f"{h} slots={len(s)}\n" for h, s in spec.world.items())
+        # DeepSpeed's OpenMPIRunner exports UCX_TLS=tcp unless the user's environment sets it
+        # (the user's value reaches the ranks with the rest of the forwarded environment).
+        exports = [] if "UCX_TLS" in env else ["-x", "UCX_TLS=tcp"]
         return [LaunchCommand("mpirun (openmpi)", ["mpirun", "-n", total, "-hostfile", HOSTFILE_PLACEHOLDER,
-                                                   "--map-by", "slot", *extra, *shim], files={HOSTFILE_PLACEHOLDER: content})]
+                                                   *_openmpi_defaults(extra, environ), *extra, *exports, *shim],
+                              files={HOSTFILE_PLACEHOLDER: content})]
     per_node = _uniform_slots(spec, launcher)
     _whole_hosts(spec, launcher)
     if launcher == "mpich":
         return [LaunchCommand("mpirun (mpich)", ["mpirun", "-n", total, "-ppn", str(per_node), "-hosts", ",".join(hosts),
                                                  *extra, *shim])]
+    if launcher == "mvapich":
+        # DeepSpeed's MVAPICHRunner: a hostfile of host names (ours private and temporary, not
+        # /tmp/deepspeed_mvapich_hostfile), -np/-ppn, then its MV2_* settings as -env NAME=VALUE.
+        gpu = bool(local_accelerators(environ))
+        exports = [word for name, value in MVAPICH_ENV_DEFAULTS if name not in env and (gpu or name != "MV2_USE_CUDA")
+                   for word in ("-env", f"{name}={value}")]
+        content = "".join(f"{h}\n" for h in hosts)
+        return [LaunchCommand("mpirun (mvapich)", ["mpirun", "-np", total, "-ppn", str(per_node), "--hostfile",
+                                                   HOSTFILE_PLACEHOLDER, *extra, *exports, *shim],
+                              files={HOSTFILE_PLACEHOLDER: content})]
     if launcher == "slurm":
         return [LaunchCommand("srun", ["srun", "-n", total, "--nodes", str(len(hosts)), "--ntasks-per-node",
                                        str(per_node), "--nodelist", ",".join(hosts), *extra, *shim])]
     raise LaunchError(f"--launcher must be one of {', '.join(LAUNCHERS)}, got {launcher!r}")
+
+
+def check_backend(launcher: str, command: LaunchCommand, environ: dict[str, str] | None = None) -> None:
+    """Fail before anything starts when ``launcher``'s program is not installed here. For mvapich,
+    as DeepSpeed does, MVAPICH's ``mpiname`` must also say MVAPICH (another MPI's mpirun would
+    misread -ppn/-env)."""
+    environ = os.environ if environ is None else environ
+    search = environ.get("PATH", os.defpath)
+    program = command.argv[0]
+    if shutil.which(program, path=search) is None:
+        raise LaunchError(f"--launcher {launcher} needs {BACKENDS[launcher]} ({program!r}) on PATH; not found")
+    if launcher != "mvapich":
+        return
+    mpiname = shutil.which("mpiname", path=search)
+    if mpiname is None:
+        raise LaunchError("--launcher mvapich needs MVAPICH's 'mpiname' on PATH (to tell its mpirun from another "
+                          "MPI's); not found: is MVAPICH installed, or is this Open MPI (--launcher openmpi) or MPICH?")
+    try:
+        said = subprocess.run([mpiname], capture_output=True, text=True, timeout=30, env=environ).stdout.strip()
+    except (OSError, subprocess.SubprocessError) as e:
+        raise LaunchError(f"--launcher mvapich: cannot run {mpiname}: {e}") from None
+    if "mvapich" not in said.lower():
+        raise LaunchError(f"--launcher mvapich: {mpiname} says {said[:80]!r}, not MVAPICH")

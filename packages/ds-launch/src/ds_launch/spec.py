@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import json
+import os
 import sys
 from dataclasses import dataclass, field
 
@@ -71,6 +72,7 @@ class NodeSpec:
     kill_grace: float = 5.0
     cwd: str | None = None  # a remote node enters it first
     env: dict[str, str] = field(default_factory=dict)  # a remote node adds it to its environment
+    deepspeed_alias: bool = False  # ranks import ds_all as `deepspeed` (the alias folder first on PYTHONPATH)
 
     @property
     def hosts(self) -> list[str]:
@@ -116,6 +118,12 @@ class NodeSpec:
                 raise LaunchError(f"host {host} has slots {missing} but only {len(visible_devices)} visible GPU(s) "
                                   f"({','.join(visible_devices)})")
             env_common["CUDA_VISIBLE_DEVICES"] = ",".join(visible_devices[s] for s in slots)
+        if self.deepspeed_alias:
+            from ._alias import alias_dir
+
+            # this node's copy of the alias folder, before the PYTHONPATH the ranks would get anyway
+            inherited = {**os.environ, **self.env}.get("PYTHONPATH")
+            env_common["PYTHONPATH"] = os.pathsep.join(p for p in (alias_dir(), inherited) if p)
         cores: list[tuple[int, ...]] = [()] * len(slots)
         if self.bind_cores_to_rank:
             cores = split_cores(len(slots), self.bind_core_list, available_cpus)
