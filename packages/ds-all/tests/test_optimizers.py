@@ -195,7 +195,7 @@ def test_shared_deepspeed_configs_build(path):
     ({"type": "Adam", "params": {"weight_decai": 0.1}}, True,
      r"unknown parameter 'weight_decai' of CPUAdam; did you mean 'weight_decay'\?"),
     ({"type": "Lion", "params": {"eps": 1e-8}}, False,
-     "unknown parameter 'eps' of CPULion Allowed: lr, betas, weight_decay, state_dtype"),
+     "unknown parameter 'eps' of CPULion Allowed: lr, betas, weight_decay, fp32_optimizer_states, state_dtype"),
     ({"type": "SGD", "params": {"momentun": 0.9}}, False, r"unknown parameter 'momentun' of SGD; did you mean 'momentum'\?"),
     ({"type": "Adam", "params": {"lr": "auto"}}, False,
      r"optimizer.params.lr: is 'auto', which an optimizer cannot resolve: resolve it first \(ds_all.Config.resolve\)"),

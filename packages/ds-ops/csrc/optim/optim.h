@@ -1,5 +1,5 @@
 // The CPU optimizer kernels of ds-ops. Python owns the tensors and passes raw pointers (as
-// integers), element counts and dtype codes (ds::DType); parameters are fp32 (Adam: also fp16/bf16).
+// integers), element counts and dtype codes (ds::DType); parameters are fp32 (Adam, Lion: also fp16/bf16).
 #pragma once
 
 #include <cstdint>
@@ -38,10 +38,11 @@ void adagrad_update(const Pointers& params, const Pointers& grads, const Pointer
                     int grad_dtype, int state_dtype, float clr, float eps, float weight_decay, uint32_t seed,
                     int num_threads);
 
-// Lion: p = p*(1 - lr*wd) - lr*sign(b1*m + (1-b1)*g); m = b2*m + (1-b2)*g.
+// Lion: p = p*(1 - lr*wd) - lr*sign(b1*m + (1-b1)*g); m = b2*m + (1-b2)*g. Parameters are fp32
+// (gradients of any dtype) or fp16/bf16 (gradients of their dtype; float32 math, stored rounded to nearest).
 void lion_update(const Pointers& params, const Pointers& grads, const Pointers& exp_avg, const Sizes& sizes,
-                 int grad_dtype, int state_dtype, float lr, float beta1, float beta2, float weight_decay,
-                 uint32_t seed, int num_threads);
+                 int param_dtype, int grad_dtype, int state_dtype, float lr, float beta1, float beta2,
+                 float weight_decay, uint32_t seed, int num_threads);
 
 struct LambArgs {
   float lr, beta1, beta2, eps, weight_decay, bias_correction1, bias_correction2, max_coeff, min_coeff;

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from itertools import chain
 
 import torch
 
@@ -59,8 +60,8 @@ def check_cpu_param(name: str, p: torch.Tensor, half_params: bool = False) -> No
             raise ValueError(f"{where} is {p.dtype}; {name} updates float32, bfloat16 or float16 parameters")
         raise ValueError(f"{where} is {p.dtype}; {name} updates float32 parameters only. Keep float32 master "
                          "weights for the optimizer (e.g. model.float(), or a float32 copy of each 16-bit "
-                         "parameter) and copy them into the 16-bit model after each step; CPUAdam also "
-                         "updates bfloat16/float16 parameters in place")
+                         "parameter) and copy them into the 16-bit model after each step; CPUAdam and CPULion "
+                         "also update bfloat16/float16 parameters in place")
     if not p.is_contiguous():
         raise ValueError(f"{where} is not contiguous; call .contiguous() on it before building the optimizer")
     grad = p.grad
@@ -155,6 +156,22 @@ def batch_group(optimizer: torch.optim.Optimizer, name: str, group: dict, states
         tensors = {key: state_tensor(state, key, p, dtype, initial) for key, initial in states.items()}
         batches.add((step, DTYPE_CODES[p.grad.dtype]), params=p, grads=p.grad, sizes=p.numel(), **tensors)
     return batches
+
+
+def keep_saved_state_dtypes(optimizer: torch.optim.Optimizer, state_dict: dict, names: Iterable[str]) -> None:
+    """After torch's load_state_dict, which casts every floating-point state to its parameter's
+    dtype (rounding the float32 states of a 16-bit parameter to 16 bits): put back the saved
+    states ``names`` of 16-bit parameters in their own dtypes."""
+    saved_ids = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
+    params = dict(zip(saved_ids, chain.from_iterable(g["params"] for g in optimizer.param_groups), strict=True))
+    for key, saved in state_dict["state"].items():
+        p = params.get(key)
+        if p is None or p.dtype == torch.float32:
+            continue
+        for name in names:
+            value = saved.get(name)
+            if torch.is_tensor(value) and value.dtype != p.dtype:
+                optimizer.state[p][name] = value.detach().to(device=p.device, copy=True)
 
 
 def closure_loss(closure):

@@ -16,10 +16,10 @@ import logging
 import math
 import numbers
 from collections import defaultdict
-from itertools import chain
 
 import torch
 
+from . import _adam_subgroup as subgroups
 from . import _optimizer as common
 from .op_builder import CPUAdamBuilder
 
@@ -193,19 +193,12 @@ class _AdamKernel(torch.optim.Optimizer):
         """torch's load casts every floating-point state to its parameter's dtype, which would round
         float32 states of a 16-bit parameter to 16 bits: keep the saved states' own dtypes."""
         super().load_state_dict(state_dict)
-        saved_ids = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
-        params = dict(zip(saved_ids, chain.from_iterable(g["params"] for g in self.param_groups), strict=True))
-        for key, saved in state_dict["state"].items():
-            p = params.get(key)
-            if p is None or p.dtype == torch.float32:
-                continue
-            for name in ("exp_avg", "exp_avg_sq"):
-                value = saved.get(name)
-                if torch.is_tensor(value) and value.dtype != p.dtype:
-                    self.state[p][name] = value.detach().to(device=p.device, copy=True)
+        common.keep_saved_state_dtypes(self, state_dict, ("exp_avg", "exp_avg_sq"))
 
     def _cpu_step(self, group_index: int, group: dict, params: list[torch.Tensor],
-                  copies: list[torch.Tensor | None] | None = None) -> None:
+                  copies: list[torch.Tensor | None] | None = None, states: list[dict] | None = None) -> None:
+        """One update of ``params`` (of ``group``) on their states, or on ``states`` when given (one
+        dict per parameter: CPUAdam.step_subgroup keeps a subgroup's state under its id)."""
         beta1, beta2 = group["betas"]
         # check everything before touching any state: bad input must leave the optimizer as it was
         plans = []
@@ -219,8 +212,8 @@ class _AdamKernel(torch.optim.Optimizer):
                 _check_copy(self._NAME, copy, p)
             plans.append((p, copy, common.state_dtype_of(group, p)))
         batches = defaultdict(lambda: ([], [], [], [], []))
-        for p, copy, state_dtype in plans:
-            state = self.state[p]
+        for i, (p, copy, state_dtype) in enumerate(plans):
+            state = self.state[p] if states is None else states[i]
             step = common.next_step(state)
             exp_avg = common.state_tensor(state, "exp_avg", p, state_dtype)
             exp_avg_sq = common.state_tensor(state, "exp_avg_sq", p, state_dtype)
@@ -284,6 +277,28 @@ class CPUAdam(_AdamKernel):
             kept = [i for i, p in enumerate(group["params"]) if p.grad is not None]
             self._cpu_step(gi, group, [group["params"][i] for i in kept],
                            [copies[i] for i in kept] if copies is not None else None)
+        return loss
+
+    @torch.no_grad()
+    def step_subgroup(self, subgroup_id: int, closure=None):
+        """One step of a ZeRO-3 subgroup (DeepSpeed 0.19's API, what SuperOffload calls): the one
+        parameter with a gradient (the subgroup's flat partition) is updated on the state kept in
+        ``self.state[subgroup_id]``, with the hyperparameters of its group; bit for bit what
+        ``step()`` does. Non-finite gradients write nothing (the step is counted, a warning logged),
+        so a rollback of that step is exact."""
+        loss = common.closure_loss(closure)
+        subgroups.step_subgroup(self, subgroup_id)
+        return loss
+
+    @torch.no_grad()
+    def rollback_subgroup(self, subgroup_id: int, closure=None):
+        """Undo the last ``step_subgroup(subgroup_id)`` (the same parameter, gradient and
+        hyperparameters in place), inverting the step algebraically in float32 as DeepSpeed does:
+        the parameter and states come back to within a few float32 ulps (exactly to step 0's zero
+        states, and exactly after a step that met non-finite gradients). RuntimeError when the
+        subgroup has no step to undo; float32 parameters and states only."""
+        loss = common.closure_loss(closure)
+        subgroups.rollback_subgroup(self, subgroup_id)
         return loss
 
 

@@ -9,6 +9,7 @@ Layouts: `DenseSparsityConfig`, `FixedSparsityConfig`, `VariableSparsityConfig`,
 `SparseAttentionConfig` is the ``sparse_attention`` config section and makes the right one (of
 the first five: DeepSpeed's section has no mode for the local sliding window either). The kernels (SDD,
 softmax, DSD, forward and backward) are C++ built by the op builder (op ``sparse_attn``).
+`MatMul` (modes sdd, dsd, dds) and `Softmax` are DeepSpeed's standalone block-sparse ops, in PyTorch.
 """
 
 from .attention import (
@@ -19,6 +20,7 @@ from .attention import (
     pad_to_block_size,
     unpad,
 )
+from .blocksparse import MatMul, Softmax
 from .config import SparseAttentionConfig
 from .sparsity_config import (
     BigBirdSparsityConfig,
@@ -31,6 +33,6 @@ from .sparsity_config import (
 )
 
 __all__ = ["BSLongformerSparsityConfig", "BertSparseSelfAttention", "BigBirdSparsityConfig", "BlockLayout",
-           "DenseSparsityConfig", "FixedSparsityConfig", "LocalSlidingWindowSparsityConfig", "SparseAttentionConfig",
-           "SparseAttentionUtils", "SparseSelfAttention", "SparsityConfig", "VariableSparsityConfig",
-           "pad_to_block_size", "unpad"]
+           "DenseSparsityConfig", "FixedSparsityConfig", "LocalSlidingWindowSparsityConfig", "MatMul", "Softmax",
+           "SparseAttentionConfig", "SparseAttentionUtils", "SparseSelfAttention", "SparsityConfig",
+           "VariableSparsityConfig", "pad_to_block_size", "unpad"]
