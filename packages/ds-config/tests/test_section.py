@@ -154,3 +154,35 @@ def test_load_ds_config_errors_name_the_file(tmp_path):
 def test_a_nested_model_has_no_section_of_its_own():
     with pytest.raises(RuntimeError, match="not a top-level section"):
         Offload.from_ds_config({})
+
+
+def test_load_ds_config_reads_hjson_as_deepspeed_does(tmp_path):
+    pytest.importorskip("hjson")
+    path = tmp_path / "ds_config.hjson"
+    path.write_text('{\n  # comments, unquoted keys and trailing commas, as DeepSpeed reads with hjson\n'
+                    '  train_batch_size: 8,\n  "zero_optimization": {"stage": 2, "reduce_bucket_size": 5e8,},\n}\n')
+    assert load_ds_config(path) == {"train_batch_size": 8, "zero_optimization": {"stage": 2,
+                                                                                "reduce_bucket_size": 5e8}}
+
+
+def test_duplicate_keys_are_refused_as_deepspeed_refuses_them(tmp_path):
+    path = tmp_path / "dup.json"
+    path.write_text('{"train_batch_size": 8, "fp16": {"enabled": true, "enabled": false}, "train_batch_size": 4}')
+    with pytest.raises(ValueError, match="duplicate keys in a DeepSpeed config: 'enabled'"):
+        load_ds_config(path)
+    path.write_text('{"train_batch_size": 8, "train_batch_size": 4}')
+    with pytest.raises(ValueError, match="duplicate keys in a DeepSpeed config: 'train_batch_size'"):
+        load_ds_config(path)
+
+
+def test_a_base64_config_string_is_read_as_deepspeed_reads_it(tmp_path, monkeypatch):
+    import base64
+
+    monkeypatch.chdir(tmp_path)
+    encoded = base64.urlsafe_b64encode(b'{"train_batch_size": 8, "fp16": {"enabled": true}}').decode()
+    assert load_ds_config(encoded) == {"train_batch_size": 8, "fp16": {"enabled": True}}
+    # a path that does not exist is still named as a file (not base64 of an object)
+    with pytest.raises(ValueError, match=r"cannot read the config file 'nope\.json'"):
+        load_ds_config("nope.json")
+    with pytest.raises(ValueError, match="cannot read the config file 'abcd'"):
+        load_ds_config("abcd")  # valid base64, but not of a JSON object

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 # DeepSpeed's top-level config keys: a whole config is recognised by them, and a key that is none of
 # them but close to a section's name is reported as a misspelling of that section.
-DEEPSPEED_KEYS = frozenset(["train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "optimizer", "scheduler", "communication_data_type", "prescale_gradients", "gradient_predivide_factor", "sparse_gradients", "fp16", "bf16", "amp", "gradient_clipping", "zero_optimization", "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "aio", "activation_checkpointing", "flops_profiler", "comms_logger", "tensorboard", "wandb", "csv_monitor", "comet", "autotuning", "elasticity", "sparse_attention", "compression_training", "data_efficiency", "curriculum_learning", "checkpoint", "data_types", "steps_per_print", "wall_clock_breakdown", "dump_state", "memory_breakdown", "disable_allgather", "pipeline", "dataloader_drop_last", "eigenvalue", "progressive_layer_drop", "quantize_training", "timers", "hybrid_engine", "nebula", "seq_parallel_communication_data_type", "graph_harvesting", "use_node_local_storage", "weight_quantization", "zero_quantized_weights", "zero_quantized_gradients", "load_universal_checkpoint"])
+DEEPSPEED_KEYS = frozenset(["train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "optimizer", "scheduler", "communication_data_type", "prescale_gradients", "gradient_predivide_factor", "sparse_gradients", "fp16", "bf16", "amp", "gradient_clipping", "zero_optimization", "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "aio", "activation_checkpointing", "flops_profiler", "comms_logger", "tensorboard", "wandb", "csv_monitor", "comet", "autotuning", "elasticity", "sparse_attention", "compression_training", "data_efficiency", "curriculum_learning", "checkpoint", "data_types", "steps_per_print", "wall_clock_breakdown", "dump_state", "memory_breakdown", "disable_allgather", "pipeline", "dataloader_drop_last", "eigenvalue", "progressive_layer_drop", "quantize_training", "timers", "hybrid_engine", "nebula", "seq_parallel_communication_data_type", "graph_harvesting", "use_node_local_storage", "weight_quantization", "zero_quantized_weights", "zero_quantized_gradients", "load_universal_checkpoint", "torch_autocast", "tensor_parallel", "compile", "gradient_allreduce_op", "disable_python_gc", "managed_gradient_accumulation", "log_level", "data_parallel_size", "sequence_parallel_size", "use_data_before_expert_parallelism", "expert_parallel", "datastates_ckpt", "bfloat16"])
 
 
 class ConfigError(ValueError):
@@ -31,22 +31,76 @@ class ConfigError(ValueError):
         super().__init__("\n".join(lines))
 
 
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict:
+    keys = [key for key, _ in pairs]
+    repeated = sorted({key for key in keys if keys.count(key) > 1})
+    if repeated:  # DeepSpeed refuses them too; json would silently keep the last one
+        raise ValueError(f"duplicate keys in a DeepSpeed config: {', '.join(repr(k) for k in repeated)}")
+    return dict(pairs)
+
+
+def _parse(text: str, where: str) -> Any:
+    """JSON, else HJSON (comments, unquoted keys and strings, trailing commas), as DeepSpeed reads
+    configs with hjson; an error names the place and shows JSON's message."""
+    try:
+        return json.loads(text, object_pairs_hook=_no_duplicates)
+    except json.JSONDecodeError as e:
+        json_error = e
+    try:
+        import hjson
+    except ImportError:
+        hjson = None
+    if hjson is not None:
+        try:
+            return hjson.loads(text, object_pairs_hook=_no_duplicates)
+        except hjson.HjsonDecodeError:
+            pass
+    e = json_error
+    raise ValueError(f"{where}:{e.lineno}:{e.colno}: not valid JSON{'' if hjson is None else ' or HJSON'}: "
+                     f"{e.msg}") from None
+
+
 def load_ds_config(config: Mapping | str | os.PathLike) -> dict:
-    """A whole DeepSpeed config: a mapping as it is, or a JSON file read from its path."""
+    """A whole DeepSpeed config: a mapping as it is; a path of a JSON (or HJSON) file; or, as DeepSpeed
+    takes it, a string that is no path but a URL-safe base64 encoding of the JSON."""
     if isinstance(config, Mapping):
         return dict(config)
     if not isinstance(config, (str, os.PathLike)):
         raise ValueError(f"a DeepSpeed config is a dict or the path of a JSON file, got {type(config).__name__}")
+    where = os.fspath(config)
+    if isinstance(config, str) and not os.path.exists(config):
+        decoded = _base64_json(config)
+        if decoded is not None:
+            loaded, where = decoded, "the base64-encoded config"
+            if not isinstance(loaded, dict):
+                raise ValueError(f"{where}: a DeepSpeed config is a JSON object, got {type(loaded).__name__}")
+            return loaded
     try:
         with open(config, encoding="utf-8") as f:
-            loaded = json.load(f)
+            text = f.read()
     except OSError as e:
-        raise ValueError(f"cannot read the config file {os.fspath(config)!r}: {e.strerror}") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{os.fspath(config)}:{e.lineno}:{e.colno}: not valid JSON: {e.msg}") from None
+        raise ValueError(f"cannot read the config file {where!r}: {e.strerror}") from None
+    loaded = _parse(text, where)
     if not isinstance(loaded, dict):
-        raise ValueError(f"{os.fspath(config)}: a DeepSpeed config is a JSON object, got {type(loaded).__name__}")
+        raise ValueError(f"{where}: a DeepSpeed config is a JSON object, got {type(loaded).__name__}")
     return loaded
+
+
+def _base64_json(text: str) -> Any:
+    """The JSON object a URL-safe base64 string encodes (DeepSpeed's launcher passes configs so),
+    None when ``text`` is not that."""
+    import base64
+    import binascii
+
+    if not text or len(text) % 4 or not all(c.isalnum() or c in "-_=" for c in text):
+        return None
+    try:
+        decoded = base64.urlsafe_b64decode(text).decode("utf-8")
+    except (binascii.Error, UnicodeDecodeError):
+        return None
+    if not decoded.lstrip().startswith("{"):
+        return None
+    return _parse(decoded, "the base64-encoded config")
 
 
 def _members(annotation: Any) -> list[Any]:
