@@ -1,4 +1,4 @@
-"""ds-pipe's schedules against data parallelism and torch.distributed.pipelining on the workload of DESIGN.md §9.
+"""ds-pipe's schedules against data parallelism and torch.distributed.pipelining on the workload of ARCHITECTURE.md, 'The yardstick workload'.
 
 A GPT-style pre-LN decoder (vocab 8192, d_model 512, 8 layers, 8 heads, sequence 256, untied head:
 about 34M parameters) as 10 layers (embedding, 8 blocks, norm + head), 2 ranks x 1 thread on gloo,
@@ -179,7 +179,7 @@ def predicted_ratio(kind: str) -> float:
     from ds_pipe._simulate import simulate
     cls = {"1f1b": TrainSchedule, "interleaved": InterleavedSchedule, "zero_bubble": ZeroBubbleSchedule}[kind]
     kwargs = {"chunks": 2} if kind == "interleaved" else {}
-    streams = [list(cls(PIPE_MICRO_BATCHES, STAGES, s, **kwargs)) for s in range(STAGES)]
+    streams = [list(cls(PIPE_MICRO_BATCHES, STAGES, s, **kwargs).instructions()) for s in range(STAGES)]
     return 1 / (1 - simulate(streams, chunks=kwargs.get("chunks", 1)).bubble_fraction)
 
 

@@ -39,7 +39,7 @@ INTERLEAVED = [(p, m, v) for p in (2, 3, 4) for m in sorted({p, 2 * p, 4 * p, 16
 
 
 def streams(cls, p: int, m: int, **kwargs) -> list[list]:
-    return [list(cls(m, p, s, **kwargs)) for s in range(p)]
+    return [list(cls(m, p, s, **kwargs).instructions()) for s in range(p)]
 
 
 def passes(stream) -> list[str]:
@@ -72,7 +72,7 @@ def test_instructions_are_frozen_values():
 @pytest.mark.parametrize(("p", "m"), PIPES)
 def test_1f1b_is_a_valid_batch_within_its_buffers(p, m):
     schedules = [TrainSchedule(m, p, s) for s in range(p)]
-    peaks = check([list(x) for x in schedules], max_buffers=[x.num_pipe_buffers() for x in schedules])
+    peaks = check([list(x.instructions()) for x in schedules], max_buffers=[x.num_pipe_buffers() for x in schedules])
     assert peaks == [min(p - s, m) for s in range(p)]  # 1F1B: stage s holds p - s micro-batches
     for s, stream in enumerate(streams(TrainSchedule, p, m)):
         kinds = [type(i) for i in stream if isinstance(i, COMPUTE)]
@@ -132,7 +132,8 @@ def test_inference_forwards_only_with_the_fill_bubble(p, m):
 @pytest.mark.parametrize(("p", "m", "v"), INTERLEAVED)
 def test_interleaved_is_a_valid_batch_within_its_buffers(p, m, v):
     schedules = [InterleavedSchedule(m, p, s, chunks=v) for s in range(p)]
-    peaks = check([list(x) for x in schedules], chunks=v, max_buffers=[x.num_pipe_buffers() for x in schedules])
+    peaks = check([list(x.instructions()) for x in schedules], chunks=v,
+                  max_buffers=[x.num_pipe_buffers() for x in schedules])
     assert peaks == [x.num_pipe_buffers() for x in schedules]
 
 
@@ -241,7 +242,8 @@ def test_steps_are_deepspeed_shaped():
         for s in range(p):
             schedule = cls(m, p, s, **kwargs)
             steps = list(schedule.steps())
-            assert [i for step in steps for i in step] == list(schedule)
+            assert [i for step in steps for i in step] == list(schedule.instructions())
+            assert list(schedule) == steps  # iterating gives the steps, as DeepSpeed's schedules do
             assert all(isinstance(step, list) and sum(isinstance(i, COMPUTE) for i in step) <= 1 for step in steps)
             assert (schedule.micro_batches, schedule.stages, schedule.stage_id) == (m, p, s)
             if cls is not InferenceSchedule:

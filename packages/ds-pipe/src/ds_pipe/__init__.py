@@ -15,6 +15,7 @@ from .schedule import (
     BackwardInput,
     BackwardPass,
     BackwardWeight,
+    DataParallelSchedule,
     ForwardPass,
     InferenceSchedule,
     InterleavedSchedule,
@@ -35,7 +36,7 @@ from .schedule import (
 __version__ = "0.1.0"
 
 __all__ = [
-    "BackwardInput", "BackwardPass", "BackwardWeight", "ForwardPass", "InferenceSchedule", "InterleavedSchedule",
+    "BackwardInput", "BackwardPass", "BackwardWeight", "DataParallelSchedule", "ForwardPass", "InferenceSchedule", "InterleavedSchedule",
     "LayerSpec", "LoadMicroBatch", "OptimizerStep", "PeerFailed", "PipeInstruction", "PipelineConfig",
     "PipelineExecutor", "PipelineModule", "RecvActivation", "RecvGrad", "ReduceGrads", "ReduceTiedGrads",
     "SendActivation", "SendGrad", "TiedLayerSpec", "TrainSchedule", "ZeroBubbleSchedule", "__version__",

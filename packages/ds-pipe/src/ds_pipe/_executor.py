@@ -74,7 +74,7 @@ class PipelineExecutor:
         self._optimizer_step = optimizer_step or PipelineExecutor.default_optimizer_step
         self._backward = backward or (lambda tensors, grads: torch.autograd.backward(tensors, grads))
         kwargs = {"chunks": self.chunks} if schedule == "interleaved" else {}
-        self._train_stream = list(SCHEDULES[schedule](micro_batches, self.stages, self.stage_id, **kwargs))
+        self._train_stream = list(SCHEDULES[schedule](micro_batches, self.stages, self.stage_id, **kwargs).instructions())
         self._eval_stream = None
         # the executor's own group (every rank creates it, in the same order): its messages and its
         # agreement never meet another executor's, even the leftovers of a failed batch
@@ -84,6 +84,20 @@ class PipelineExecutor:
         self._broken: str | None = None
         self.global_steps = 0
         self.timings: dict[str, float] = {}
+
+    def set_micro_batches(self, micro_batches: int) -> None:
+        """Run ``micro_batches`` per batch from now on (DeepSpeed's ``set_train_batch_size`` changes the
+        accumulation steps so): the schedule's streams are built again."""
+        if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
+            raise ValueError(f"PipelineExecutor: micro_batches must be a positive integer, got {micro_batches!r}")
+        kwargs = {"chunks": self.chunks} if self.schedule_name == "interleaved" else {}
+        stream = list(SCHEDULES[self.schedule_name](micro_batches, self.stages, self.stage_id, **kwargs).instructions())
+        self.micro_batches, self._train_stream, self._eval_stream = micro_batches, stream, None
+
+    def reset_activation_shape(self) -> None:
+        """The next batch may send activations and gradients of other shapes than the last (DeepSpeed's
+        name; a sequence length that grows, say). Every rank calls it between batches."""
+        self.channel.forget_shapes()
 
     # -- topology -------------------------------------------------------------------------------
     def _describe_rank(self, rank: int) -> str:
@@ -121,7 +135,7 @@ class PipelineExecutor:
         the module has no loss_fn), and with ``return_logits`` the last stage's outputs per micro-batch
         (None on other stages) as ``(loss, outputs)``."""
         if self._eval_stream is None:
-            self._eval_stream = (list(S.InferenceSchedule(self.micro_batches, self.stages, self.stage_id))
+            self._eval_stream = (list(S.InferenceSchedule(self.micro_batches, self.stages, self.stage_id).instructions())
                                  if self.chunks == 1 else self._chunked_inference_stream())
         self.module.eval()
         try:

@@ -129,6 +129,10 @@ class Channel:
             tensors.append(t.requires_grad_() if requires_grad else t)
         return tuple(tensors)
 
+    def forget_shapes(self) -> None:
+        """The next message of each kind carries its shapes again (they may differ from the last ones)."""
+        self._sent_meta.clear()
+
     def send_error(self, peers, message: str) -> None:
         """Tell ``peers`` that this rank failed (each raises `PeerFailed` at its next receive from here)."""
         data = torch.tensor(list(message.encode()[:4000]), dtype=torch.uint8)

@@ -28,6 +28,9 @@ class PipelineConfig(Section):
     schedule: Literal["1f1b", "interleaved", "zero_bubble"] = Field(
         "1f1b", description="ds: the training schedule: 1f1b (DeepSpeed's), interleaved (virtual_stages chunks "
         "per rank), zero_bubble (ZB-H1: weight gradients fill the bubble).")
+    use_reentrant: bool | None = Field(None, description="Activation checkpointing with torch's reentrant "
+                                       "variant (DeepSpeed's default, null: true); ds-pipe always uses the "
+                                       "non-reentrant one, which gives the same gradients.")
     virtual_stages: int = Field(1, ge=1, description="ds: model chunks per rank for the interleaved schedule.")
 
     def partition_method(self) -> str:

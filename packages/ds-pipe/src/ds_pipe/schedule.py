@@ -1,8 +1,8 @@
 """Pipeline schedules as pure instruction streams: 1F1B, inference, interleaved 1F1B, zero-bubble ZB-H1.
 
 A schedule is built from ``(micro_batches, stages, stage_id)`` and yields, for that one stage, the
-instructions to run in order: ``steps()`` gives them grouped as DeepSpeed does (one list per step),
-iterating the schedule gives them flattened. Nothing here touches a tensor or a process, so a schedule
+instructions to run in order: iterating the schedule (or ``steps()``) gives them grouped as DeepSpeed
+does (one list per step), ``instructions()`` flattened. Nothing here touches a tensor or a process, so a schedule
 can be printed (`print_schedule`), simulated (``ds_pipe._simulate``) and tested on its own.
 
 Semantics (what the executor relies on):
@@ -209,7 +209,30 @@ class PipeSchedule:
         if stage_id >= stages:
             raise ValueError(f"{owner}: stage_id must be in 0..{stages - 1} (stages={stages}), got {stage_id}")
         self.micro_batches, self.stages, self.stage_id = micro_batches, stages, stage_id
+        self.prev_stage, self.next_stage = stage_id - 1, stage_id + 1  # DeepSpeed's (out of range at the ends)
         self.chunks = 1
+
+    # DeepSpeed's read-only views of the three numbers
+    @property
+    def stage(self) -> int:
+        """The stage this schedule is for (``stage_id``)."""
+        return self.stage_id
+
+    @property
+    def num_stages(self) -> int:
+        return self.stages
+
+    @property
+    def num_micro_batches(self) -> int:
+        return self.micro_batches
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.stage_id == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.stage_id == self.stages - 1
 
     def _order(self, stage_id: int) -> list[tuple[str, int, int]]:
         """Stage ``stage_id``'s compute passes ``(kind, micro_batch, chunk)``, in order."""
@@ -226,7 +249,12 @@ class PipeSchedule:
         if self.train:
             yield [ReduceTiedGrads(), ReduceGrads(), OptimizerStep()]
 
-    def __iter__(self) -> Iterator[PipeInstruction]:
+    def __iter__(self) -> Iterator[list[PipeInstruction]]:
+        """The steps, as DeepSpeed's schedules iterate (``for cmds in schedule``: one list per step)."""
+        return self.steps()
+
+    def instructions(self) -> Iterator[PipeInstruction]:
+        """The steps' instructions one after another (the stream an executor runs)."""
         for step in self.steps():
             yield from step
 
@@ -349,6 +377,27 @@ class ZeroBubbleSchedule(PipeSchedule):
         return min(self.stages, self.micro_batches)
 
 
+class DataParallelSchedule(PipeSchedule):
+    """DeepSpeed's example schedule: plain data parallelism with gradient accumulation on one stage. Each
+    step loads, forwards and backwards one micro-batch; the last also reduces the gradients and steps the
+    optimizer (no tied weights on one stage, so no ``ReduceTiedGrads``)."""
+
+    def __init__(self, micro_batches: int, stages: int = 1, stage_id: int = 0):
+        super().__init__(micro_batches, stages, stage_id)
+        if stages != 1:
+            raise ValueError(f"DataParallelSchedule: stages must be 1 (it sends nothing between stages), got {stages}")
+
+    def steps(self) -> Iterator[list[PipeInstruction]]:
+        for m in range(self.micro_batches):
+            step: list[PipeInstruction] = [LoadMicroBatch(m), ForwardPass(m), BackwardPass(m)]
+            if m == self.micro_batches - 1:
+                step += [ReduceGrads(), OptimizerStep()]
+            yield step
+
+    def num_pipe_buffers(self) -> int:
+        return 1
+
+
 # -- drawing --------------------------------------------------------------------------------------
 
 
@@ -357,7 +406,7 @@ def print_schedule(schedule_cls: type[PipeSchedule], stages: int, micro_batches:
     one slot, messages none, sends buffered); ``.`` marks an idle slot. Returns the text (print it)."""
     from ._simulate import simulate  # _simulate imports the instructions from here
 
-    streams = [list(schedule_cls(micro_batches, stages, s, **kwargs)) for s in range(stages)]
+    streams = [list(schedule_cls(micro_batches, stages, s, **kwargs).instructions()) for s in range(stages)]
     timeline = simulate(streams, chunks=kwargs.get("chunks", 1), costs={"F": 1, "B": 1, "Bi": 1, "W": 1})
     slots = int(timeline.makespan)
     rows = []
