@@ -1,7 +1,7 @@
 """1-bit Adam and 0/1 Adam against Adam, 2 gloo ranks, on plain loopback and on a slow link; and the
 loss curves of the three (and of 1-bit LAMB against LAMB) over 300 steps.
 
-Timing: the GPT of DESIGN.md §9 (bench_zero's, ~34M parameters, micro-batch 4, 2 ranks x 1 thread),
+Timing: the GPT of ARCHITECTURE.md, 'The yardstick workload' (bench_zero's, ~34M parameters, micro-batch 4, 2 ranks x 1 thread),
 each optimizer under ``ZeroOptimizer`` stage 0 in fresh rank processes: Adam is torch's AdamW with
 ZeRO's overlapped all-reduce; 1-bit Adam warms up ``--warm`` steps, 0/1 Adam updates its variance on
 steps 1-``--warm`` and then takes local steps (intervals 1, 2, 4, 4, ...). Time per step after warm-up

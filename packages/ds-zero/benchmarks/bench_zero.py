@@ -1,4 +1,4 @@
-"""ds-zero against DDP, torch's ZeroRedundancyOptimizer and FSDP2 on the engine workload of DESIGN.md §9.
+"""ds-zero against DDP, torch's ZeroRedundancyOptimizer and FSDP2 on the engine workload of ARCHITECTURE.md, 'The yardstick workload'.
 
 A GPT-style pre-LN decoder (vocab 8192, d_model 512, 8 layers, 8 heads, sequence 256, untied LM
 head, no dropout: about 34M parameters), micro-batch 4 per rank, synthetic tokens, 2 ranks x 1

@@ -22,7 +22,7 @@ def test_defaults_are_deepspeeds():
     assert (z.stage, z.contiguous_gradients, z.overlap_comm, z.reduce_scatter, z.reduce_bucket_size,
             z.allgather_partitions, z.allgather_bucket_size, z.round_robin_gradients, z.load_from_fp32_weights,
             z.elastic_checkpoint, z.ignore_unused_parameters, z.sub_group_size, z.offload_optimizer,
-            z.offload_param) == (0, True, None, True, 500_000_000, True, 500_000_000, False, True, False, True,
+            z.offload_param) == (0, True, False, True, 500_000_000, True, 500_000_000, False, True, False, True,
                                  1_000_000_000, None, None)
     assert (z.prefetch_bucket_size, z.param_persistence_threshold, z.model_persistence_threshold,
             z.max_live_parameters, z.max_reuse_distance, z.gather_16bit_weights_on_model_save) == (
@@ -86,6 +86,37 @@ def test_deprecated_spellings_map_to_the_current_keys(caplog):
     assert z.gather_16bit_weights_on_model_save is True
     with pytest.raises(ConfigError, match="not both"):
         ZeroConfig(stage=2, cpu_offload=True, offload_optimizer={"device": "cpu"})
+    # DeepSpeed refuses a deprecated key with its replacement whatever the values, even equal ones
+    for data in ({"stage3_gather_fp16_weights_on_model_save": True, "stage3_gather_16bit_weights_on_model_save": True},
+                 {"stage3_gather_fp16_weights_on_model_save": True, "gather_16bit_weights_on_model_save": True},
+                 {"cpu_offload": False, "offload_optimizer": {"device": "cpu"}},
+                 {"cpu_offload_param": False, "offload_param": {"device": "cpu"}}):
+        old = next(iter(data))
+        with pytest.raises(ConfigError, match=f"give '{old}' \\(deprecated\\) or '.*', not both"):
+            ZeroConfig(stage=3, **data)
+
+
+def test_overlap_comm_reads_deepspeeds_dynamic_default():
+    # DeepSpeed's config tests read the key itself: False at stages 0-2, True at 3 when not given
+    assert [ZeroConfig(stage=s).overlap_comm for s in range(4)] == [False, False, False, True]
+    assert ZeroConfig(stage=3, overlap_comm=False).overlap_comm is False
+
+
+def test_deepspeed_0_19_keys_are_known():
+    z = ZeroConfig(stage=2, compute_grad_norm=False, stage3_allgather_sequential=True, parameter_alignment=True,
+                   enable_sanity_checks=True, save_muon_momentum_buffer_in_memory=True, zero_hpz_partition_size=0,
+                   leaf_module={"classes": ["MyBlock"], "names": ["model.layers.0"], "name_suffixes": ["mlp"]},
+                   offload_optimizer={"device": "cpu", "super_offload": False, "cpuadam_cores_perc": 0.5})
+    assert z.allgather_sequential and z.leaf_module.names == ["model.layers.0"]
+    assert z.offload_optimizer.cpuadam_cores_perc == 0.5
+    with pytest.raises(ConfigError, match=r"compute_grad_norm false is allowed only at stage 1 or 2.*got stage 3"):
+        ZeroConfig(stage=3, compute_grad_norm=False)
+    with pytest.raises(ConfigError, match=r"leaf_module\.class: unknown key 'class'; did you mean 'classes'"):
+        ZeroConfig(stage=3, leaf_module={"class": ["X"]})
+    b = BF16Config(enabled=True, bf16_master_weights_and_grads=True, bf16_optimizer_states=True)
+    assert b.check_grad_overflow is True and BF16Config(check_grad_overflow=False).check_grad_overflow is False
+    with pytest.raises(ConfigError, match=r"bf16_optimizer_states needs bf16\.bf16_master_weights_and_grads"):
+        BF16Config(enabled=True, bf16_optimizer_states=True)
 
 
 def test_stage3_keys_below_stage_3_are_said_to_be_ignored(caplog):

@@ -141,7 +141,9 @@ def test_loss_curve_follows_ddp_with_a_float32_master_copy(precision):
             print(f"{precision} stage {case[0]} gas {case[1]} clip {case[2]} {case[3].__name__} offload {case[4]}: "
                   f"loss within {gap:.2g} of the reference; {losses[0]:.4f} -> {losses[-1]:.4f}")
         for case, (gap, losses, stepped, _) in zip(CASES, rank_results, strict=True):
-            assert stepped and gap < 1e-3, (case, gap)
+            # the master copy starts from the 16-bit weights (DeepSpeed's), the float32 reference from its own:
+            # bf16's rounding of the initial weights alone moves the curve by about 1e-3
+            assert stepped and gap < (2e-3 if precision == "bf16" else 1e-3), (case, gap)
             assert losses[-1] < 0.9 * losses[0]
     # offloading changes where the step runs, not its numbers
     for rank_results in results:
@@ -226,10 +228,38 @@ def test_an_overflow_on_one_rank_skips_the_step_on_every_rank_and_lowers_the_sca
     for stepped, scales, unchanged, skipped, norm, sums in spawn(overflow, world_size=2, args=(stage,)):
         assert stepped == [True, True, False, True, True, True, True, True]
         assert unchanged[2] and not any(unchanged[:2] + unchanged[3:])  # the skipped step moved nothing
-        # 2**10, halved by the overflow (hysteresis 1), doubled after 3 clean steps (window 3)
-        assert scales == [1024, 1024, 512, 512, 512, 1024, 1024, 1024]
+        # 2**10, halved by the overflow (hysteresis 1), doubled at the step after 3 clean ones (window 3,
+        # DeepSpeed 0.19's count)
+        assert scales == [1024, 1024, 512, 512, 512, 512, 1024, 1024]
         assert skipped == 1 and norm is not None and norm > 0
         assert sums[0] == sums[1]  # training went on with the same parameters on both ranks
+
+
+def bf16_overflow(rank, world_size, stage, check):
+    model = Tiny()
+    zero = ZeroOptimizer(model, torch.optim.AdamW, optimizer_kwargs=ADAMW,
+                         config={"stage": stage, "reduce_bucket_size": 1500},
+                         bf16={"enabled": True, "check_grad_overflow": check})
+    poison = {"step": None}
+    model.blocks[0][1].weight.register_hook(
+        lambda g: g.index_fill(0, torch.tensor([0]), float("nan")) if rank == 1 and poison["step"] == 1 else g)
+    stepped, finite = [], []
+    for step in range(3):
+        poison["step"] = step
+        zero.backward(model(_tokens(step, 0, rank)))
+        stepped.append(zero.step())
+        zero.zero_grad()
+        finite.append(all(bool(torch.isfinite(p).all()) for p in model.parameters()))
+    return stepped, finite, zero.skipped_steps
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_bf16_skips_a_step_whose_gradients_hold_nan_on_any_rank_as_deepspeed_does(stage):
+    for stepped, finite, skipped in spawn(bf16_overflow, world_size=2, args=(stage, True)):
+        assert stepped == [True, False, True] and skipped == 1 and all(finite)
+    # bf16.check_grad_overflow false: the step is taken and the NaN reaches the weights (DeepSpeed's too)
+    for stepped, finite, skipped in spawn(bf16_overflow, world_size=2, args=(stage, False)):
+        assert stepped == [True, True, True] and skipped == 0 and finite[0] and not finite[1]
 
 
 def round_trip(rank, world_size, precision, stage):

@@ -4,10 +4,12 @@
                                  config={"stage": 2}, bf16={"enabled": True})
     zero.backward(loss); zero.step(); zero.zero_grad()
 
-Stages 0-3 in float32, fp16 (loss scaling) and bf16 with a float32 master copy, CPU offload of the
-optimizer (ZeRO-Offload); at stage 3 `Init` builds a model already partitioned and
-`GatheredParameters` makes parameters whole for a while; optimizer states and parameters on NVMe
-(ZeRO-Infinity). `OneBitAdam`, `ZeroOneAdam` and `OneBitLamb` (stage 0) send 1-bit compressed messages after warm-up.
+Stages 0-3 in float32, fp16 (loss scaling) and bf16 with a float32 master copy (or none: bf16 master
+weights, stages 1-3), CPU offload of the optimizer (ZeRO-Offload); at stage 3 `Init` builds a model
+already partitioned and `GatheredParameters` makes parameters whole for a while; optimizer states and
+parameters on NVMe (ZeRO-Infinity). `OneBitAdam`, `ZeroOneAdam` and `OneBitLamb` (stage 0) send 1-bit compressed messages after warm-up.
+`DynamicLossScaler`, `LossScaler` and `CreateLossScaler` are DeepSpeed's loss-scaler objects for loops that
+scale an fp16 loss by hand.
 """
 
 from ._checkpoint import SafeReader, load_zero_checkpoint, read_zero_metadata, save_zero_checkpoint
@@ -25,6 +27,7 @@ from ._init import (
                         register_external_parameter,
                         unregister_external_parameter,
 )
+from ._loss_scaler import CreateLossScaler, DynamicLossScaler, LossScaler, LossScalerBase
 from ._optimizer import ZeroOptimizer
 from .config import (
                         BF16Config,
@@ -39,7 +42,8 @@ from .onebit import OneBitAdam, OneBitLamb, ZeroOneAdam
 
 __version__ = "0.1.0"
 
-__all__ = ["BF16Config", "FP16Config", "GatheredParameters", "Init", "OffloadDeviceEnum", "OffloadOptimizerConfig", "OffloadParamConfig",
+__all__ = ["BF16Config", "CreateLossScaler", "DynamicLossScaler", "FP16Config", "GatheredParameters", "Init",
+           "LossScaler", "LossScalerBase", "OffloadDeviceEnum", "OffloadOptimizerConfig", "OffloadParamConfig",
            "OffloadStateTypeEnum", "OneBitAdam", "OneBitLamb", "SafeReader",
            "ZeroConfig", "ZeroOneAdam",
            "ZeroOptimizer", "__version__", "estimate_zero2_model_states_mem_needs_all_cold",

@@ -1,12 +1,14 @@
 """Sharded checkpoints of a `ZeroOptimizer` through ``torch.distributed.checkpoint`` (DCP).
 
 Each rank describes what it holds as 1-D shards of each *whole flattened parameter*: its pieces of the
-float32 master weights (``master/<name>``) and of every optimizer state of the same size
-(``optim/<key>/<name>``), plus replicated scalars (``optim_scalar/<key>``) and the module's buffers and
-frozen parameters (``module/<name>``). Which rank held which range is recorded by DCP, so a checkpoint
-saved by N ranks at stage s loads into M ranks at stage t: each loading rank asks for its own pieces
-(stage 1-2) or whole tensors (stage 0), and DCP's planner reads the overlapping ranges of the saved
-shards. The rest (loss scaler, counters, hyperparameters) is plain data returned by `zero_metadata`.
+float32 master weights (``master/<name>``; with ``bf16.bf16_master_weights_and_grads`` the bf16
+parameters themselves, and a checkpoint loads into either, converted) and of every optimizer state of
+the same size (``optim/<key>/<name>``), plus replicated scalars (``optim_scalar/<key>``) and the
+module's buffers and frozen parameters (``module/<name>``). Which rank held which range is recorded
+by DCP, so a checkpoint saved by N ranks at stage s loads into M ranks at stage t: each loading rank
+asks for its own pieces (stage 1-2) or whole tensors (stage 0), and DCP's planner reads the
+overlapping ranges of the saved shards. The rest (loss scaler, counters, hyperparameters) is plain
+data returned by `zero_metadata`.
 
 When ZeRO's data-parallel group is not the whole world (a pipeline: each stage's group holds its own
 layers), the checkpoint is the union of every group's: shards are placed by world rank, a parameter
@@ -145,6 +147,20 @@ def _master(zero: ZeroOptimizer) -> torch.Tensor:
     return zero._flat if zero._master is None else zero._master
 
 
+def _master_dtype(zero: ZeroOptimizer) -> torch.dtype:
+    """The saved master weights' dtype: float32, or bf16 with bf16 master weights (no float32 copy exists)."""
+    return zero._flat.dtype if zero._bf16_master else torch.float32
+
+
+def _fresh_state_dtypes(zero: ZeroOptimizer) -> dict[int, torch.dtype]:
+    """For each stepped tensor: the dtype its optimizer states are made in before a load writes them (the
+    fused step's, from ds-ops' ``state_dtype``; else the tensor's own, as torch's optimizers keep them)."""
+    if zero._recipe is None:
+        return {id(t): t.dtype for t in zero._step_params}
+    return {id(t): zero._recipe.state_dtype(group, t.dtype) for group in zero.optimizer.param_groups
+            for t in group["params"]}
+
+
 def _tensor_states(zero: ZeroOptimizer) -> tuple[list[str], list[str]]:
     """The inner optimizer's state keys: those holding a tensor the size of its stepped tensor (sharded
     per parameter), and the others (scalars, kept once). ZeRO-Infinity's Adam states are in its files,
@@ -194,7 +210,7 @@ def _piece_entries(zero: ZeroOptimizer, sized: list[str], skip: set[str] = froze
             continue
         numel, ranges = zero.layout.slots[index].numel, by_param[index]
         start, n, weights, states, on_disk = views.get(index, (0, 0, None, {}, {}))
-        out[f"master/{name}"] = _sharded(weights, start, ranges, numel, torch.float32, rank)
+        out[f"master/{name}"] = _sharded(weights, start, ranges, numel, _master_dtype(zero), rank)
         for key in sized:
             out[f"optim/{key}/{name}"] = _sharded(states.get(key), start, ranges, numel, dtypes[key], rank)
         for entry, (kind, at) in on_disk.items():
@@ -331,11 +347,12 @@ def load_zero_state(zero: ZeroOptimizer, checkpoint_id: Any, meta: dict[str, Any
     saved_keys = set(saved_metadata)
     sized = sorted({k.split("/")[1] for k in saved_keys if k.startswith("optim/")}) if load_optimizer else []
     scalars = sorted(k.split("/", 1)[1] for k in saved_keys if k.startswith("optim_scalar/")) if load_optimizer else []
+    fresh = _fresh_state_dtypes(zero)
     for tensor in zero._step_params if lazy is None else ():  # states the optimizer has not made yet
         state = zero.optimizer.state[tensor]
         for key in sized:
             if key not in state:
-                state[key] = torch.zeros_like(tensor)
+                state[key] = torch.zeros_like(tensor, dtype=fresh[id(tensor)])
     wanted: dict[str, Any] = {}
     if zero.stage == 0:  # every rank holds everything: whole tensors, read from whichever shards hold them
         master = _master(zero)

@@ -84,9 +84,8 @@ class Init:
         if self.dtype is not None and not self.dtype.is_floating_point:
             raise ValueError(f"ds_zero.Init: dtype must be a floating-point dtype, got {self.dtype}")
         self.mem_efficient_linear = mem_efficient_linear
-        if self.enabled and not ds_comm.is_initialized():
-            raise RuntimeError("ds_zero.Init: the process group is not initialised; call ds_comm.init_distributed() "
-                               "first")
+        if self.enabled and not ds_comm.is_initialized():  # DeepSpeed's Init starts it too (from the environment)
+            ds_comm.init_distributed()
         offload = ZeroConfig.from_section_or_ds_config(ds_config).offload_param if ds_config is not None else None
         if remote_device is None:
             remote_device = offload.device if offload is not None and offload.device == "nvme" else "cpu"
@@ -110,6 +109,11 @@ class Init:
             if not _active:
                 _wrap_every_module_class()
             _active.append(self)
+            # As DeepSpeed's Init, tensors are created in the 16-bit dtype: a layer's initial weights are
+            # drawn in it (not drawn in float32 and rounded), so they are DeepSpeed's bit for bit.
+            self._default_dtype = torch.get_default_dtype()
+            if self.dtype in (torch.float16, torch.bfloat16):
+                torch.set_default_dtype(self.dtype)
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -117,6 +121,7 @@ class Init:
             return
         with _lock:
             _active.remove(self)
+            torch.set_default_dtype(self._default_dtype)
             if not _active:
                 _unwrap_every_module_class()
 

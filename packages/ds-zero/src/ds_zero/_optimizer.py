@@ -27,6 +27,9 @@ Adam-family optimizers are then stepped in one fused pass that also writes the n
 parameters (`_precision`), others on float32 copies of the gradients. fp16 scales the loss
 (`LossScaler`) and skips the step on every rank when any gradient overflowed. ZeRO-Offload
 (``offload_optimizer.device: cpu``) steps the master partition with ds-ops' CPU Adam.
+``bf16.bf16_master_weights_and_grads`` (stages 1-3) keeps no float32 copy: as in float32 the
+optimizer steps views of the flat (bf16) buffer with the bf16 gradients, its states in bf16
+(``bf16.bf16_optimizer_states``) or, under ZeRO-Offload, in float32 kept by ds-ops' CPU Adam.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from torch import nn
 
 import ds_comm
 
+from ._engine_calls import EngineCalls
 from ._groups import option_groups, step_runs
 from ._layout import FlatLayout
 from ._model import (
@@ -59,10 +63,13 @@ from ._model import (
     version,
 )
 from ._nvme import NvmeOptimizer
+from ._offload_states import OffloadStates
 from ._precision import (
     DTYPES,
     adam_recipe,
     cast_floating_inputs,
+    check_bf16_master,
+    check_bf16_master_optimizer,
     communication_dtype,
     fused_adam_step,
     needs_whole_tensors,
@@ -83,16 +90,17 @@ OVERLAP_BUCKET_ELEMENTS = 1 << 22
 
 # Keys of zero_optimization this version accepts but cannot honour yet, and why.
 _NOT_YET = {
-    "zero_hpz_partition_size": (1, "ZeRO++ hierarchical partitioning"),
     "zero_quantized_weights": (False, "ZeRO++ quantized weights"),
     "zero_quantized_nontrainable_weights": (False, "ZeRO++ quantized weights"),
     "zero_quantized_gradients": (False, "ZeRO++ quantized gradients"),
     "mics_shard_size": (-1, "MiCS"),
+    "mics_hierarchical_params_gather": (False, "MiCS"),
+    "zenflow": (None, "ZenFlow"),
     "legacy_stage1": (False, "DeepSpeed's legacy stage 1"),
 }
 
 
-class ZeroOptimizer(Reduction, State):
+class ZeroOptimizer(Reduction, State, OffloadStates, EngineCalls):
     """ZeRO stages 0-3 for ``model`` with ``optimizer`` (a class or a callable taking the list of
     tensors to optimize), in a plain loop::
 
@@ -105,7 +113,8 @@ class ZeroOptimizer(Reduction, State):
 
     ``config``: the ``zero_optimization`` section (a `ZeroConfig`, a dict, or a whole DeepSpeed
     config); ``fp16``/``bf16``: those sections (or the whole config). With either enabled the model's
-    floating-point parameters and buffers become 16-bit and a float32 master copy is stepped.
+    floating-point parameters and buffers become 16-bit and a float32 master copy is stepped (none with
+    ``bf16.bf16_master_weights_and_grads``: the bf16 partition is stepped).
     ``gradient_clipping``: the global gradient norm's maximum (0: off).
     ``gradient_accumulation_steps``: micro-steps per optimizer step; ``backward`` divides the loss by
     it, as DeepSpeed's engine does. ``communication_data_type``: the dtype gradients are reduced in
@@ -134,7 +143,16 @@ class ZeroOptimizer(Reduction, State):
         renames = checked_renames(model, checkpoint_names)
         self.config = ZeroConfig.from_section_or_ds_config(config)
         fp16_config = FP16Config.from_section_or_ds_config(fp16)
-        self.precision = mixed_precision(fp16_config, BF16Config.from_section_or_ds_config(bf16))
+        bf16_config = BF16Config.from_section_or_ds_config(bf16)
+        self.precision = mixed_precision(fp16_config, bf16_config)
+        # bf16 gradients with inf/NaN skip the step, as DeepSpeed's check_grad_overflow does (fp16: the scaler)
+        self._check_overflow = self.precision == "bf16" and bf16_config.check_grad_overflow
+        # bf16 master weights and gradients: no float32 copy, the optimizer steps the bf16 partition
+        self._bf16_master = bool(bf16_config.bf16_master_weights_and_grads)
+        self._bf16_optimizer_states = bool(bf16_config.bf16_optimizer_states)
+        if self._bf16_master:
+            offload_to = self.config.offload_optimizer.device if self.config.offload_optimizer is not None else "none"
+            check_bf16_master(self.precision, self.config.stage, offload_to, self._bf16_optimizer_states)
         if self.precision == "fp16" and fp16_config.fp16_master_weights_and_grads:
             raise NotImplementedError("fp16.fp16_master_weights_and_grads is not implemented in ds-zero "
                                       f"{version()}: the master copy is float32; remove the key")
@@ -216,7 +234,8 @@ class ZeroOptimizer(Reduction, State):
             layout.numel if self.stage < 3 else layout.shard_numel, dtype=self.dtype)
         self._master = None  # a float32 master copy of what this rank steps, when the model is 16-bit
         self._hooks: list[Any] = []  # removed by close()
-        if self.dtype != torch.float32 and offload_device != "nvme":  # NVMe: the master copy is on disk
+        # NVMe: the master copy is on disk; bf16 master weights: the bf16 partition is the master copy
+        if self.dtype != torch.float32 and offload_device != "nvme" and not self._bf16_master:
             self._master = torch.zeros(layout.numel if self.stage == 0 else layout.shard_numel, dtype=torch.float32)
         if offload_device == "nvme":
             nvme = self.config.offload_optimizer
@@ -282,6 +301,8 @@ class ZeroOptimizer(Reduction, State):
                                                                                    strict=True) if run[3] == g]}
                                         for g, options in enumerate(group_options)], **(optimizer_kwargs or {}))
         self._check_optimizer()
+        if self._bf16_master:
+            check_bf16_master_optimizer(self.optimizer, self.offload, self._bf16_optimizer_states)
         # a 1-bit optimizer (ds_zero.onebit) averages what it needs itself: ZeRO reduces only on the steps it
         # asks for (DeepSpeed's enable_backward_allreduce) and leaves the gradients local otherwise
         self._compressed = callable(getattr(self.optimizer, "wants_averaged_gradients", None))
@@ -303,7 +324,7 @@ class ZeroOptimizer(Reduction, State):
         for tensor, grad, (at, n) in zip(self._step_params, self._step_grads, in_master, strict=True):
             if self._master_grads is not None:
                 tensor.grad = self._master_grads[at:at + n]
-            elif grad.dtype == torch.float32:  # the fused step reads 16-bit gradients where they are
+            elif grad.dtype == tensor.dtype:  # (a float32 master's fused step reads 16-bit gradients where they are)
                 tensor.grad = grad
 
         self._index_of = {id(p): i for i, p in enumerate(params)}
@@ -312,6 +333,10 @@ class ZeroOptimizer(Reduction, State):
         self._reduced = [False] * len(layout.buckets)  # buckets reduced in this backward
         self._work: list[tuple[Any, Callable | None]] = []  # reductions in flight without a staging buffer
         self._micro_step = 0
+        self._boundary_override: bool | None = None  # set_gradient_accumulation_boundary's, None: counted
+        self._last_step_was_boundary = True  # zero_grad zeroes only after a boundary's step
+        self._accumulated = False  # a backward since the last boundary's step (stages 2-3: in the partition)
+        self._offloaded: dict[str, dict[int, torch.device]] = {}  # offload_states: state -> root -> its device
         self._callback_queued = False
         self._boundary_reduced = False  # the boundary's backward reduced every bucket
         self._global_grad_norm: float | None = None
@@ -323,8 +348,20 @@ class ZeroOptimizer(Reduction, State):
     # ------------------------------------------------------------------------------------- loop API
     @property
     def is_gradient_accumulation_boundary(self) -> bool:
-        """Whether the current micro-step ends an accumulation (its ``step()`` updates the model)."""
+        """Whether the current micro-step ends an accumulation (its ``step()`` updates the model):
+        counted from the micro-steps, unless `set_gradient_accumulation_boundary` says otherwise."""
+        if self._boundary_override is not None:
+            return self._boundary_override
         return (self._micro_step + 1) % self.gradient_accumulation_steps == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
+        """Decide the boundary by hand (DeepSpeed's engine method): False accumulates the next backwards
+        without reducing (stages 0-1) and makes ``step()`` count a micro-step only; True makes the next
+        backward reduce and ``step()`` update. None goes back to counting ``gradient_accumulation_steps``."""
+        if is_boundary is not None and not isinstance(is_boundary, bool):
+            raise ValueError(f"set_gradient_accumulation_boundary: is_boundary must be True, False or None, got "
+                             f"{is_boundary!r}")
+        self._boundary_override = is_boundary
 
     @property
     def loss_scale(self) -> float:
@@ -356,10 +393,12 @@ class ZeroOptimizer(Reduction, State):
             raise RuntimeError("ZeroOptimizer.step: this optimizer was closed")
         boundary = self.is_gradient_accumulation_boundary
         self._micro_step += 1
+        self._last_step_was_boundary = boundary
         if not boundary:
             return False
         waited = time.perf_counter()
         self._wait_reductions()
+        self._accumulated = False  # the next backward starts the next accumulation
         self.reduction_wait_s += time.perf_counter() - waited
         scale = self.loss_scale
         norm = self._grad_norm()  # the same value on every rank
@@ -372,6 +411,11 @@ class ZeroOptimizer(Reduction, State):
                 logger.warning("fp16: gradient overflow, step skipped (loss scale %g -> %g)", before, self.scaler.scale)
                 return False
             self.scaler.update(False)
+        elif self._check_overflow and not math.isfinite(float(norm)):
+            self.skipped_steps += 1
+            self._global_grad_norm = None
+            logger.warning("bf16: a gradient is inf or NaN, step skipped (bf16.check_grad_overflow)")
+            return False
         self._global_grad_norm = float(norm) / scale
         if self._recipe is not None:
             coefficient = 1.0
@@ -423,13 +467,14 @@ class ZeroOptimizer(Reduction, State):
         for b in range(len(self.layout.buckets)):
             self._reduce(b)
         self._boundary_reduced = True
+        self._accumulated = True
         self._fired.clear()
         self._reduced = [False] * len(self.layout.buckets)
 
     def zero_grad(self) -> None:
         """Zero the accumulated gradients (between boundaries this would drop micro-steps: it is a
         no-op there, as the accumulation needs them)."""
-        if self._micro_step % self.gradient_accumulation_steps != 0:
+        if not self._last_step_was_boundary:
             return
         if self.stage < 2:
             self._grads.zero_()
@@ -487,6 +532,14 @@ class ZeroOptimizer(Reduction, State):
         if offload is not None and offload.device == "cpu" and offload.ratio != 1.0:
             raise NotImplementedError(f"zero_optimization.offload_optimizer.ratio {offload.ratio:g} (partial offload) "
                                       f"is not implemented in ds-zero {version()}; use 1.0")
+        if config.zero_hpz_partition_size > 1:
+            raise NotImplementedError(f"zero_optimization.zero_hpz_partition_size {config.zero_hpz_partition_size} "
+                                      "(ZeRO++ hierarchical partitioning) is not implemented in ds-zero; remove it or "
+                                      "set it to 1")
+        if offload is not None and offload.super_offload:
+            raise NotImplementedError("zero_optimization.offload_optimizer.super_offload (DeepSpeed's SuperOffload for "
+                                      f"Superchips) is not implemented in ds-zero {version()}; remove it or set it to "
+                                      "false")
         for key, (default, what) in _NOT_YET.items():
             if getattr(config, key) != default:
                 raise NotImplementedError(f"zero_optimization.{key} ({what}) is not implemented in ds-zero; "
@@ -512,14 +565,15 @@ class ZeroOptimizer(Reduction, State):
                              "maximize) or ds_ops.CPUAdam")
 
     def _fill_master(self, params: list[nn.Parameter]) -> None:
-        """The master copy from the parameters as given (float32 ones keep their precision)."""
+        """The master copy from the parameters in the model's 16-bit dtype, widened: DeepSpeed's engine casts
+        the model to fp16/bf16 before it takes the float32 copy, so training starts from the same values."""
         if self.stage == 0:
             for p, slot in zip(params, self.layout.slots, strict=True):
-                self._master[slot.offset:slot.offset + slot.numel].copy_(p.detach().reshape(-1))
+                self._master[slot.offset:slot.offset + slot.numel].copy_(p.detach().reshape(-1).to(self.dtype))
             return
         for piece in self.layout.pieces(self.rank):
             source = params[piece.index].detach().reshape(-1)[piece.param_offset:piece.param_offset + piece.numel]
-            self._master[piece.partition_offset:piece.partition_offset + piece.numel].copy_(source)
+            self._master[piece.partition_offset:piece.partition_offset + piece.numel].copy_(source.to(self.dtype))
 
     def _fill_partitions(self, params: list[nn.Parameter]) -> None:
         """Stage 3: this rank's shard of every unit into the partition (and the master copy), one unit
@@ -540,8 +594,8 @@ class ZeroOptimizer(Reduction, State):
                 whole = gather_init_partitioned(p, self.group) if hasattr(p, "ds_init_shard") else p.detach()
                 source = whole.reshape(-1)[a - slot.offset:b - slot.offset]
                 shard[a - lo:b - lo].copy_(source)
-                if self._master is not None:
-                    self._master[start + a - lo:start + b - lo].copy_(source)
+                if self._master is not None:  # from the 16-bit values, as DeepSpeed's (see _fill_master)
+                    self._master[start + a - lo:start + b - lo].copy_(source.to(self.dtype))
                 p.grad = None
             if on_disk:
                 self._nvme.write_params(start, shard)

@@ -1,12 +1,14 @@
 """Mixed precision pieces of `ZeroOptimizer`: dtypes, the reduction dtype, and the fused Adam step.
 
 With fp16/bf16 the model's parameters are 16-bit views of one flat buffer and each rank keeps a
-float32 master copy of the part it steps. An Adam-family optimizer (``torch.optim.Adam``/``AdamW``,
-``ds_ops.CPUAdam``/``FusedAdam``) is stepped by ``ds_ops.adam_step`` on buffers ds-zero owns, in one
-pass per step: the 16-bit gradients are read as they are, the loss scale and the clipping
-coefficient are folded into one multiplier, and the new 16-bit parameters are written in the same
-pass. Its states live in the optimizer's ``state`` in torch's format ("step", "exp_avg",
-"exp_avg_sq"), so ``optimizer.state_dict()`` and learning-rate schedulers work as usual.
+float32 master copy of the part it steps (none with ``bf16.bf16_master_weights_and_grads``: the
+optimizer steps the bf16 partition, under DeepSpeed's rules, `check_bf16_master`). An Adam-family
+optimizer (``torch.optim.Adam``/``AdamW``, ``ds_ops.CPUAdam``/``FusedAdam``) is stepped by
+``ds_ops.adam_step`` on buffers ds-zero owns, in one pass per step: the 16-bit gradients are read
+as they are, the loss scale and the clipping coefficient are folded into one multiplier, and the
+new 16-bit parameters are written in the same pass. Its states live in the optimizer's ``state``
+in torch's format ("step", "exp_avg", "exp_avg_sq"), so ``optimizer.state_dict()`` and
+learning-rate schedulers work as usual.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from typing import Any
 import torch
 
 import ds_ops
+
+from ._model import version
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 _COMM_NAMES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
@@ -47,8 +51,13 @@ class AdamRecipe:
                 "bias_correction": bool(group.get("bias_correction", True))}
 
     @staticmethod
-    def state_dtype(group: dict) -> torch.dtype:
-        return torch.bfloat16 if group.get("state_dtype") == "bfloat16" else torch.float32
+    def state_dtype(group: dict, param_dtype: torch.dtype = torch.float32) -> torch.dtype:
+        """The dtype of the moments of a ``param_dtype`` tensor of ``group``: ds-ops' ``state_dtype``
+        ("param", DeepSpeed's ``fp32_optimizer_states=False``: bfloat16 for bfloat16 tensors), else float32."""
+        kind = group.get("state_dtype")
+        if kind == "bfloat16" or (kind == "param" and param_dtype == torch.bfloat16):
+            return torch.bfloat16
+        return torch.float32
 
 
 def adam_recipe(optimizer: torch.optim.Optimizer) -> AdamRecipe | None:
@@ -73,10 +82,10 @@ def fused_adam_step(optimizer: torch.optim.Optimizer, recipe: AdamRecipe, master
         members = [index[id(t)] for t in group["params"]]
         if not members:
             continue
-        dtype = recipe.state_dtype(group)
         exp_avg, exp_avg_sq = [], []
         step = 0.0
         for i in members:
+            dtype = recipe.state_dtype(group, masters[i].dtype)
             state = optimizer.state[masters[i]]
             for key, out in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
                 tensor = state.get(key)
@@ -90,6 +99,48 @@ def fused_adam_step(optimizer: torch.optim.Optimizer, recipe: AdamRecipe, master
         ds_ops.adam_step([masters[i] for i in members], [grads[i] for i in members], exp_avg, exp_avg_sq, int(step),
                          grad_scale=grad_scale, half_copy=None if copies is None else [copies[i] for i in members],
                          check_finite=False, **recipe.hyperparameters(group))
+
+
+BF16_MASTER = "bf16.bf16_master_weights_and_grads"
+
+
+def check_bf16_master(precision: str, stage: int, offload_device: str, bf16_states: bool) -> None:
+    """DeepSpeed's rules for ``bf16.bf16_master_weights_and_grads`` (no float32 master copy: the
+    optimizer steps the bf16 partition with the bf16 gradients), checked before the model is touched:
+    bf16 training, ZeRO stage 1-3, and float32 optimizer states (``bf16.bf16_optimizer_states``
+    false) only under ZeRO-Offload, whose CPU Adam keeps them."""
+    if precision != "bf16":
+        raise ValueError(f"{BF16_MASTER} needs bf16.enabled true (the master weights are the bf16 model's own); "
+                         f"this is {'fp16' if precision == 'fp16' else 'float32'} training")
+    if stage == 0:
+        raise ValueError(f"{BF16_MASTER} needs zero_optimization.stage 1, 2 or 3 (as in DeepSpeed), got 0 (1-bit "
+                         "optimizers, which run at stage 0, cannot use it either)")
+    if offload_device == "nvme":
+        raise NotImplementedError(f"{BF16_MASTER} with zero_optimization.offload_optimizer.device 'nvme' is not "
+                                  f"implemented in ds-zero {version()} (ZeRO-Infinity's files hold float32 master "
+                                  "weights and states); offload to 'cpu', or remove the key")
+    if not bf16_states and offload_device != "cpu":
+        raise ValueError(f"{BF16_MASTER} with bf16.bf16_optimizer_states false keeps the optimizer states in "
+                         "float32, which DeepSpeed allows only with ZeRO-Offload and its CPU Adam: set "
+                         "bf16.bf16_optimizer_states true, or zero_optimization.offload_optimizer.device 'cpu' "
+                         "(with ds_ops.CPUAdam)")
+
+
+def check_bf16_master_optimizer(optimizer: torch.optim.Optimizer, offload: bool, bf16_states: bool) -> None:
+    """With bf16 master weights: under ZeRO-Offload the optimizer is ds-ops' CPU Adam (DeepSpeed's
+    DeepSpeedCPUAdam), and with ``bf16.bf16_optimizer_states`` it keeps its states in bf16 (ds-ops'
+    optimizers say so in each group's ``state_dtype``; torch's keep them in the parameters' dtype)."""
+    name = type(optimizer).__name__
+    if offload and not isinstance(optimizer, ds_ops.CPUAdam):
+        raise ValueError(f"{BF16_MASTER} with zero_optimization.offload_optimizer needs ds_ops.CPUAdam (DeepSpeed: "
+                         f"DeepSpeedCPUAdam) to step the bf16 partition, got {name}")
+    float32 = [i for i, group in enumerate(optimizer.param_groups) if group.get("state_dtype") == "float32"]
+    if bf16_states and float32:
+        fix = "fp32_optimizer_states=False" if hasattr(optimizer, "fp32_optimizer_states") else \
+            "state_dtype=torch.bfloat16"
+        raise ValueError(f"bf16.bf16_optimizer_states keeps the optimizer states in bf16, but {name} keeps them in "
+                         f"float32 (param group {float32[0]}): build it with {fix}"
+                         + (" (DeepSpeed requires this of DeepSpeedCPUAdam under ZeRO-Offload)" if offload else ""))
 
 
 def needs_whole_tensors(optimizer: torch.optim.Optimizer) -> str | None:

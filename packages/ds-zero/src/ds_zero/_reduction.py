@@ -57,6 +57,7 @@ class Reduction:
             self._reduce_leftovers()
         if self._stage3 is not None:
             self._stage3.after_backward()
+        self._accumulated = True  # stages 2-3: the next backward's reductions add to this one's
         self._ready = [0] * len(self.layout.buckets)
         self._fired.clear()
         self._reduced = [False] * len(self.layout.buckets)
@@ -121,14 +122,22 @@ class Reduction:
             return
         # The first micro-step of an accumulation writes the shard directly when the dtypes agree;
         # otherwise the reduce-scatter lands in a received buffer, then is copied or added.
-        first = self.stage == 1 or self._micro_step % self.gradient_accumulation_steps == 0
+        first = self.stage == 1 or not self._accumulated
         if first and mine.dtype == buffer.dtype:
             work = ds_comm.reduce_scatter_bucket(buffer, mine, group=self.group, async_op=True)
             self._buffer_work[which] = (work, None)
             return
-        received = self._received[which][:bucket.shard]
+        received = self._received_buffers()[which][:bucket.shard]
         work = ds_comm.reduce_scatter_bucket(buffer, received, group=self.group, async_op=True)
         self._buffer_work[which] = (work, (lambda: mine.copy_(received)) if first else (lambda: mine.add_(received)))
+
+    def _received_buffers(self) -> list[torch.Tensor]:
+        """The received buffers, made on first use where `_make_reduction_buffers` saw no need for them (an
+        accumulation decided by hand: set_gradient_accumulation_boundary or _steps)."""
+        if not self._received:
+            shard = max(b.shard for b in self.layout.buckets)
+            self._received = [torch.zeros(shard, dtype=self.communication_data_type) for _ in self._bucket_buffers]
+        return self._received
 
     def _staging_buffer(self, length: int) -> tuple[int, torch.Tensor]:
         """The next bucket buffer (waiting for the reduction that still uses it, if any)."""

@@ -14,8 +14,9 @@ class LossScaler:
 
     Dynamic (``fp16.loss_scale == 0``): starts at ``2**initial_scale_power``; an overflow uses up one
     unit of ``hysteresis`` and, when none is left, halves the scale (never below ``min_loss_scale``;
-    an overflow at the floor is an error, as in DeepSpeed); every ``loss_scale_window`` steps without
-    an overflow since the last one the scale doubles and the hysteresis is refilled
+    an overflow at the floor is an error, as in DeepSpeed); after every ``loss_scale_window`` steps
+    without an overflow since the last one (DeepSpeed 0.19's count: the steps before the current
+    one) the scale doubles and the hysteresis is refilled
     (``consecutive_hysteresis``: refilled after every step without overflow). Static: the scale never
     changes and an overflow only skips the step.
     """
@@ -49,7 +50,8 @@ class LossScaler:
         else:
             if self.consecutive_hysteresis:
                 self.hysteresis_left = self.hysteresis
-            if (self.step - self.last_overflow_step) % self.window == 0:
+            stable = self.step - self.last_overflow_step - 1  # clean steps before this one
+            if stable > 0 and stable % self.window == 0:
                 if not self.consecutive_hysteresis:
                     self.hysteresis_left = self.hysteresis
                 self.scale *= 2

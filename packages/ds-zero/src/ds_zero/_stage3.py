@@ -530,6 +530,14 @@ class Stage3:
             if getattr(p, "_ds_stage3", (None,))[0] is self:
                 del p._ds_stage3
 
+    def empty_cache(self) -> None:
+        """Release every unit not persistent, held or in use, and drop the pooled gather buffers."""
+        self._flush()
+        self._drop_ahead()
+        for unit in self.units:
+            self.release(unit)
+        self._pool.clear()
+
     def held_bytes(self) -> int:
         """Bytes of gathered buffers (persistent and in use)."""
         return sum(u.full.numel() * u.full.element_size() for u in self.units if u.full is not None)

@@ -36,7 +36,8 @@ class State:
         16-bit with fp16/bf16; at stage 3 this rank's partition plus the units gathered now),
         ``grads`` (full at stages 0-1, this rank's partition at stages 2-3, plus
         float32 copies for a non-Adam optimizer of a 16-bit model), ``master`` (the float32 copy of
-        what this rank steps; none in float32 training, where the parameters are the master),
+        what this rank steps; none in float32 training, where the parameters are the master, nor with
+        ``bf16.bf16_master_weights_and_grads``, where the bf16 parameters are),
         ``optimizer`` (the optimizer's state tensors), and ``buffers`` (reusable reduction buffers; at stage 3
         also released gather buffers kept for reuse)."""
         def size(tensors) -> int:

@@ -86,6 +86,10 @@ class OffloadOptimizerConfig(_Offload):
     fast_init: bool = Field(False, description="Faster initialisation of states offloaded to NVMe.")
     ratio: float = Field(1.0, ge=0.0, le=1.0, description="Fraction of the parameters whose optimizer "
                          "step runs on the CPU (ZeRO's partial offload).")
+    super_offload: bool = Field(False, description="DeepSpeed's SuperOffload for Superchips (stage 3; not "
+                                "implemented: true is refused at use).")
+    cpuadam_cores_perc: float = Field(0.8, ge=0.0, le=1.0, description="SuperOffload: the fraction of CPU "
+                                      "cores its CPU Adam uses (read only with super_offload).")
 
 
 class OffloadParamConfig(_Offload):
@@ -98,6 +102,14 @@ class OffloadParamConfig(_Offload):
                             "are offloaded to NVMe.")
 
 
+class LeafModuleConfig(Section):
+    """``zero_optimization.leaf_module``: modules stage 3 fetches as one unit with their children."""
+
+    classes: list[str] = Field(default_factory=list, description="Class names (or dotted paths) of leaf modules.")
+    names: list[str] = Field(default_factory=list, description="Module names (as in named_modules()).")
+    name_suffixes: list[str] = Field(default_factory=list, description="Suffixes of module names.")
+
+
 class ZeroConfig(Section):
     """``zero_optimization``: what ZeRO partitions and how it moves it."""
 
@@ -107,6 +119,8 @@ class ZeroConfig(Section):
                        "partitioned; 2: and gradients; 3: and parameters.")
     contiguous_gradients: bool = Field(True, description="Copy gradients into one contiguous buffer as they "
                                        "are produced (no fragmentation in backward).")
+    compute_grad_norm: bool = Field(True, description="Stages 1-2: compute the global gradient norm at "
+                                    "each step (false is allowed only there, as in DeepSpeed).")
     overlap_comm: bool | None = Field(None, description="Reduce gradients while backward goes on; "
                                       "null: true at stage 3, false below (DeepSpeed's default).")
     reduce_scatter: bool = Field(True, description="Reduce gradients with reduce-scatter (each rank gets "
@@ -117,6 +131,8 @@ class ZeroConfig(Section):
     allgather_partitions: bool = Field(True, description="Gather the updated partitions with all-gather "
                                        "(rather than a broadcast per rank).")
     allgather_bucket_size: Positive = Field(500_000_000, description="Elements all-gathered at once.")
+    grad_hooks: bool = Field(True, description="Stage 1: reduce gradients in backward hooks (the reference's key; "
+                             "ds-zero always reduces from hooks).")
     round_robin_gradients: bool = Field(False, description="Stage 1-2 with CPU offload: copy gradients to "
                                         "the CPU rank by rank (parallel copies with many ranks).")
     load_from_fp32_weights: bool = Field(True, description="Initialise the fp32 master copy from the "
@@ -155,7 +171,18 @@ class ZeroConfig(Section):
     use_all_reduce_for_fetch_params: bool = Field(
         False, alias="stage3_use_all_reduce_for_fetch_params", description="Stage 3: fetch parameters with "
         "all-reduce instead of all-gather.")
-    zero_hpz_partition_size: Positive = Field(1, description="ZeRO++ hierarchical partitioning: ranks per "
+    allgather_sequential: bool = Field(False, alias="stage3_allgather_sequential", description="Stage 3: "
+                                       "gather parameters one by one instead of in buckets.")
+    parameter_alignment: bool = Field(False, description="Stages 1-2: pad each parameter in the flat buffers to "
+                                      "a 16-byte boundary.")
+    enable_sanity_checks: bool = Field(False, description="DeepSpeed's internal consistency checks (debugging).")
+    save_muon_momentum_buffer_in_memory: bool = Field(False, description="Muon with NVMe offload: keep its "
+                                                      "momentum in memory.")
+    leaf_module: LeafModuleConfig = Field(default_factory=LeafModuleConfig, description="Stage 3: modules "
+                                          "fetched as one unit.")
+    zenflow: dict[str, Any] | None = Field(None, description="DeepSpeed's ZenFlow (not implemented: a section "
+                                           "here is refused at use).")
+    zero_hpz_partition_size: NonNegative = Field(1, description="ZeRO++ hierarchical partitioning: ranks per "
                                               "secondary partition (1: off).")
     zero_quantized_weights: bool = Field(False, description="ZeRO++: quantized weight all-gather.")
     zero_quantized_nontrainable_weights: bool = Field(False, description="ZeRO++: frozen weights stored "
@@ -181,17 +208,19 @@ class ZeroConfig(Section):
             value = data.pop(old)
             logger.warning("%s.%s is deprecated; use %s", SECTION, old, new if new != "pin_memory"
                            else "offload_optimizer.pin_memory / offload_param.pin_memory")
+            if new == "pin_memory":  # read by cpu_offload / cpu_offload_param below, replaces nothing
+                continue
+            # DeepSpeed refuses the old and the new key together, whatever their values
+            given = [key for key in (new, new.removeprefix("stage3_")) if key in data]
+            if given:
+                raise ValueError(f"give {old!r} (deprecated) or {given[0]!r}, not both")
             if old == "stage3_gather_fp16_weights_on_model_save":
-                if new in data and data[new] != value:
-                    raise ValueError(f"{old} and {new} are the same setting with different values")
                 data[new] = value
-            elif old in ("cpu_offload", "cpu_offload_param") and value is True:
-                if data.get(new) not in (None, {}):
-                    raise ValueError(f"give {old!r} or {new!r}, not both")
-                pin = data.get("cpu_offload_use_pin_memory", False)
-                data[new] = {"device": "cpu", "pin_memory": pin}
-            elif old in ("cpu_offload", "cpu_offload_param") and value not in (False, None):
+            elif value is True:
+                data[new] = {"device": "cpu", "pin_memory": data.get("cpu_offload_use_pin_memory", False)}
+            elif value not in (False, None):
                 raise ValueError(f"{old} must be true or false, got {value!r}")
+        data.pop("cpu_offload_use_pin_memory", None)
         return data
 
     @field_validator("stage")
@@ -203,6 +232,11 @@ class ZeroConfig(Section):
 
     @model_validator(mode="after")
     def _consistent(self) -> ZeroConfig:
+        if self.overlap_comm is None:  # DeepSpeed's dynamic default, visible as the key's value
+            object.__setattr__(self, "overlap_comm", self.stage == 3)
+        if not self.compute_grad_norm and self.stage not in (1, 2):
+            raise ValueError(f"{SECTION}.compute_grad_norm false is allowed only at stage 1 or 2 (as in DeepSpeed), "
+                             f"got stage {self.stage}")
         optimizer = self.offload_optimizer.device if self.offload_optimizer else "none"
         param = self.offload_param.device if self.offload_param else "none"
         if optimizer != "none" and self.stage == 0:
@@ -267,6 +301,20 @@ class BF16Config(Section):
     enabled: bool | Auto = Field(False, description="Train in bfloat16.")
     immediate_grad_update: bool = Field(False, description="Apply each gradient to the float32 "
                                         "accumulator as soon as it is produced.")
+    check_grad_overflow: bool = Field(True, description="Skip the optimizer step (on every rank) when a "
+                                      "gradient is inf or NaN, as fp16 does.")
+    bf16_master_weights_and_grads: bool = Field(False, description="Keep the master weights and gradients in "
+                                                "bfloat16 (no float32 copy; ZeRO stages 1-3).")
+    bf16_optimizer_states: bool = Field(False, description="Keep the optimizer states in bfloat16 too (needs "
+                                        "bf16_master_weights_and_grads; without it, bf16 master weights keep "
+                                        "float32 states, which need offload_optimizer.device 'cpu').")
+
+    @model_validator(mode="after")
+    def _states_need_master(self) -> BF16Config:
+        if self.bf16_optimizer_states and not self.bf16_master_weights_and_grads:
+            raise ValueError("bf16.bf16_optimizer_states needs bf16.bf16_master_weights_and_grads true (as in "
+                             "DeepSpeed)")
+        return self
 
 
 def mixed_precision(fp16: FP16Config | None = None, bf16: BF16Config | None = None) -> str:

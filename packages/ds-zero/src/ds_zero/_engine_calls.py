@@ -1,0 +1,42 @@
+"""What DeepSpeed's engine asks of its ZeRO optimizer besides the loop and the offloads: a new number of
+accumulation steps (``engine.set_train_batch_size``), the master copy taken again from the model's
+weights after they were loaded into it (``refresh_fp32_params``), and stage 3's gathered parameters
+and their buffers given back (``empty_partition_cache``). A mixin: `ZeroOptimizer` owns the state."""
+
+from __future__ import annotations
+
+import gc
+
+
+class EngineCalls:
+    """See the module docstring."""
+
+    def set_gradient_accumulation_steps(self, steps: int) -> None:
+        """Accumulate ``steps`` micro-steps per optimizer step from the next accumulation on. Only at an
+        accumulation's start (between a boundary's step and the next backward): a RuntimeError otherwise."""
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"gradient_accumulation_steps must be an integer >= 1, got {steps!r}")
+        if not self.reduce_in_backward and steps != 1:
+            raise ValueError("ZeroOptimizer: reduce_in_backward=False means the caller accumulates the micro-steps "
+                             f"(a pipeline stage); gradient_accumulation_steps must stay 1, got {steps}")
+        if not self._last_step_was_boundary or self._accumulated or self._fired:
+            raise RuntimeError("ZeroOptimizer.set_gradient_accumulation_steps: an accumulation is under way (micro-"
+                               "steps since the last boundary); change it after the boundary's step()")
+        self.gradient_accumulation_steps = steps
+        self._micro_step = 0  # the next micro-step starts an accumulation of the new length
+
+    def refresh_fp32_params(self) -> None:
+        """Take the float32 master copy again from the model's parameters (DeepSpeed's name), after
+        something wrote them directly (``model.load_state_dict``): otherwise the next step would put the
+        master copy's values back. Nothing to do in float32 (the parameters are the master copy) or at
+        stage 3 (`GatheredParameters` with a ``modifier_rank`` updates it)."""
+        self._refuse_with_nvme("refresh_fp32_params")
+        if self._master is not None and self.stage < 3:
+            self._fill_master(self._params)
+
+    def empty_partition_cache(self) -> None:
+        """Stage 3: release every gathered parameter not persistent or in use, and the pooled gather
+        buffers (DeepSpeed's name); they are gathered again when used. Nothing at stages 0-2."""
+        if self._stage3 is not None:
+            self._stage3.empty_cache()
+            gc.collect()
