@@ -1,5 +1,5 @@
 """The engine's checkpoints against torch.save/torch.load of the same states and against DCP used directly,
-on the workload of DESIGN.md §9.
+on the workload of ARCHITECTURE.md, 'The yardstick workload'.
 
 The GPT of ds-zero's benchmark (``packages/ds-zero/benchmarks/bench_zero.py``, ~34M parameters), 2 ranks x
 1 thread on gloo, ZeRO-2 in float32 with AdamW, two training steps first (so Adam's states exist). Then,

@@ -1,4 +1,4 @@
-"""The engine against ds-zero used directly and against DDP, on the workload of DESIGN.md §9.
+"""The engine against ds-zero used directly and against DDP, on ARCHITECTURE.md, 'The yardstick workload'.
 
 The GPT of ds-zero's benchmark (``packages/ds-zero/benchmarks/bench_zero.py``, loaded from its file:
 one definition of the workload), micro-batch 4 x 256 tokens per rank, 2 ranks x 1 thread on gloo,
@@ -184,7 +184,8 @@ def main() -> None:
         interleaved(args)
         return
     kinds = ["ddp"] + [f"{k}-{s}" for s in args.stage for k in ("zero", "engine")]
-    print(f"GPT of DESIGN.md §9, 2 ranks x 1 thread, gloo, AdamW, gas {args.gas}; {args.steps} steps, median of "
+    print(f"GPT of ARCHITECTURE.md's yardstick workload, 2 ranks x 1 thread, gloo, AdamW, gas {args.gas}; "
+          f"{args.steps} steps, median of "
           f"steps 3..{args.steps}; {args.rounds} interleaved round(s)", flush=True)
     per_step: dict[str, list[float]] = {k: [] for k in kinds}
     setup: dict[str, list[float]] = {k: [] for k in kinds}

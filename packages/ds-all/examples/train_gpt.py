@@ -2,7 +2,7 @@
 
     ds-launch --num_procs 2 examples/train_gpt.py [--config examples/ds_config_gpt.json] [--steps 30]
 
-The GPT of DESIGN.md §9 (pre-LN decoder, vocab 8192, d_model 512, 8 layers, 8 heads, sequence 256:
+The GPT of ARCHITECTURE.md, 'The yardstick workload' (pre-LN decoder, vocab 8192, d_model 512, 8 layers, 8 heads, sequence 256:
 about 34M parameters), trained by ``ds_all.initialize`` from the JSON next to this file: ZeRO with the
 optimizer offloaded to the CPU, WarmupCosineLR, gradient clipping, TensorBoard and CSV logs, a flops
 profile at step 2 and the comms logger's summary at the end; rank 0 prints the loss every 10 steps

@@ -124,9 +124,11 @@ def test_disabled_unimplemented_features_and_case_insensitive_names_load():
 
 def test_a_config_file_that_is_not_json_names_its_line(tmp_path):
     bad = tmp_path / "ds_config.json"
-    bad.write_text('{"train_batch_size": 8,\n "fp16": {enabled: true}}')
-    with pytest.raises(ValueError, match=r"ds_config.json:2:\d+: not valid JSON"):
+    bad.write_text('{"train_batch_size": 8,\n "fp16": {"enabled": true]}')
+    with pytest.raises(ValueError, match=r"ds_config.json:2:\d+: not valid JSON or HJSON"):
         Config.load(bad)
+    bad.write_text('{"train_batch_size": 8,\n "fp16": {enabled: true}}')  # HJSON, as DeepSpeed reads it
+    assert Config.load(bad).fp16.enabled is True
 
 
 def test_the_scheduler_section_keeps_auto_until_resolved_then_builds():

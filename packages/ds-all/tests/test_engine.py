@@ -215,7 +215,7 @@ def fp16_overflow_skips_the_schedule(rank, world_size):
         engine.backward(loss * (float("inf") if step == 1 else 1.0))
         engine.step()
         applied.append(engine.was_step_applied())
-        scales.append(engine.loss_scale)
+        scales.append(engine.optimizer.loss_scale)  # the current scale (engine.loss_scale() is the config's)
         lrs.append(engine.get_lr()[0])
     result = applied, scales, lrs, engine.skipped_steps, engine.global_steps
     engine.destroy()

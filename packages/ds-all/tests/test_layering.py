@@ -1,8 +1,8 @@
-"""The layers of DESIGN.md §1, checked from the code's own imports.
+"""The layers of ARCHITECTURE.md, 'The layers', checked from the code's own imports.
 
 A package may import one of ours only if it is of a lower layer AND declared in its
 pyproject.toml; ds-launch may import nothing outside the standard library. ds-config is the
-bottom brick (layer 0 in DESIGN.md, below the other layer-0 packages here): every package with a
+bottom brick (layer 0 in ARCHITECTURE.md, below the other layer-0 packages here): every package with a
 config section may use it, and it imports nothing of ours. The checker is proven on a
 deliberately bad fixture before it is trusted with the real tree.
 """
@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[3]
 BAD_REPO = Path(__file__).resolve().parent / "fixtures" / "bad_repo"
 
 LAYERS = {
-    "ds_config": -1,  # DESIGN.md's layer 0, usable by every package with a config section
+    "ds_config": -1,  # L0 in ARCHITECTURE.md, usable by every package with a config section
     "ds_ops": 0, "ds_profiler": 0, "ds_launch": 0,
     "ds_comm": 1, "ds_io": 1, "ds_compress": 1,
     "ds_zero": 2, "ds_pipe": 2,
@@ -59,7 +59,7 @@ def check_repo(root: Path) -> list[str]:
         package_dir = pyproject.parent
         module = project["name"].replace("-", "_")
         if module not in LAYERS:
-            violations.append(f"{project['name']}: not in the layer table of DESIGN.md §1")
+            violations.append(f"{project['name']}: not in the layer table of ARCHITECTURE.md, 'The layers'")
             continue
         declared = {_requirement_name(r) for r in project.get("dependencies", [])}
         # an optional extra declares its packages too (ds-comm[ops]: ds_comm imports ds_ops lazily, guarded)
@@ -115,7 +115,7 @@ def test_the_real_tree_respects_the_layers():
 
 
 @pytest.mark.parametrize("package", sorted(p.parent.name for p in REPO.glob("packages/*/pyproject.toml")))
-def test_every_package_has_the_anatomy_of_design_md(package):
+def test_every_package_has_the_anatomy_of_architecture_md(package):
     root = REPO / "packages" / package
     module = package.replace("-", "_")
     for part in ("pyproject.toml", "README.md", "CHANGELOG.md", f"src/{module}/__init__.py", "tests"):

@@ -61,6 +61,13 @@ def _check_tag(tag: Any) -> str:
     return tag
 
 
+def check_directory(path: Any, call: str, name: str) -> None:
+    """``path`` names a directory: a non-empty string or path (an empty one would mean the working
+    directory, never what a caller meant)."""
+    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+        raise ValueError(f"{call}: {name} must be a directory (a non-empty str or os.PathLike), got {path!r}")
+
+
 def _validate_tag_across_ranks(engine: DeepSpeedEngine, tag: str) -> None:
     mode = engine.config.checkpoint.tag_validation
     if mode == "Ignore" or engine.world_size == 1:
@@ -106,6 +113,7 @@ def _rng_states() -> dict[str, torch.Tensor]:
 def save_checkpoint(engine: DeepSpeedEngine, save_dir: Any, tag: str | None = None, client_state: dict | None = None,
                     save_latest: bool = True, exclude_frozen_parameters: bool = False,
                     async_save: bool = False) -> bool:
+    check_directory(save_dir, "save_checkpoint", "save_dir")
     zero = engine._require_optimizer("save_checkpoint")
     wait_checkpoint(engine)  # one save at a time
     tag = _check_tag(tag if tag is not None else f"global_step{engine.global_steps}")

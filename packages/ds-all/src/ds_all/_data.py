@@ -10,9 +10,10 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 
 def loader(dataset: Any, *, batch_size: int, num_replicas: int, rank: int, drop_last: bool, pin_memory: bool,
-           data_sampler: Any, collate_fn: Callable | None, num_workers: int) -> DataLoader:
+           data_sampler: Any, collate_fn: Callable | None, num_workers: int, shuffle: bool = True) -> DataLoader:
     """A `DataLoader` of ``dataset`` whose sampler (``data_sampler``, else a `DistributedSampler`
-    over ``num_replicas`` ranks, shuffled with seed 0 as DeepSpeed's) gives this ``rank`` its share."""
+    over ``num_replicas`` ranks, shuffled with seed 0 as DeepSpeed's unless ``shuffle`` is false)
+    gives this ``rank`` its share."""
     if not isinstance(dataset, torch.utils.data.Dataset):
         raise ValueError(f"training_data must be a torch.utils.data.Dataset, got {type(dataset).__name__}")
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
@@ -24,14 +25,26 @@ def loader(dataset: Any, *, batch_size: int, num_replicas: int, rank: int, drop_
             raise ValueError("training_data is an IterableDataset, which a sampler cannot split between "
                              "data-parallel ranks: give each rank its own stream and build the DataLoader yourself")
         data_sampler = ResumableSampler(DistributedSampler(dataset, num_replicas=num_replicas, rank=rank,
-                                                           drop_last=drop_last))
-    # A generator of its own: each new iterator of a DataLoader draws a seed (for its workers) from its
-    # generator, by default torch's global one, which would shift the model's random stream (dropout)
-    # by where a loop starts iterating; a resumed run then could not continue bit for bit.
-    generator = torch.Generator().manual_seed(torch.initial_seed())
-    return DataLoader(dataset, batch_size=batch_size, sampler=data_sampler, collate_fn=collate_fn,
+                                                           drop_last=drop_last, shuffle=shuffle))
+    return _Loader(dataset, batch_size=batch_size, sampler=data_sampler, collate_fn=collate_fn,
                       drop_last=drop_last, pin_memory=pin_memory and torch.cuda.is_available(),
-                      num_workers=num_workers, generator=generator)
+                      num_workers=num_workers)
+
+
+class _Loader(DataLoader):
+    """A `DataLoader` whose new pass draws its workers' seed from torch's global generator, as DeepSpeed's
+    does (so the model's random stream, dropout, continues exactly as under DeepSpeed), except a pass
+    resumed from a checkpoint: the interrupted run drew at its pass's start, before the checkpoint, and
+    the random state the checkpoint restores is after that draw, so a resumed run continues bit for bit."""
+
+    def __iter__(self):
+        if isinstance(self.sampler, ResumableSampler) and self.sampler.resuming:
+            self.generator = torch.Generator()  # this pass's draw leaves the global stream alone
+            try:
+                return super().__iter__()
+            finally:
+                self.generator = None
+        return super().__iter__()
 
 
 class ResumableSampler(torch.utils.data.Sampler):
@@ -56,6 +69,11 @@ class ResumableSampler(torch.utils.data.Sampler):
 
     def __len__(self) -> int:
         return len(self.inner)
+
+    @property
+    def resuming(self) -> bool:
+        """Whether the next pass continues one a checkpoint interrupted."""
+        return self._skip > 0
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch

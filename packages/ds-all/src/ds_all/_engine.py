@@ -9,6 +9,9 @@ Nothing here computes what a package below computes.
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import importlib
 import logging
 import os
 import time
@@ -23,6 +26,7 @@ from ds_profiler import FlopsProfiler
 from ds_zero import ZeroOptimizer
 
 from . import _checkpoint, _client, _data, checkpointing
+from ._engine_api import EngineAPI
 from ._optimizers import ONE_BIT, build_optimizer
 from ._progress import ProgressBar
 from ._scheduler_config import build_scheduler
@@ -33,9 +37,30 @@ from .monitor import Monitors
 logger = logging.getLogger("ds_all")
 
 
-class DeepSpeedEngine(nn.Module):
+_GC_HOLDERS = [0, True]  # engines that disabled Python's cyclic GC; whether it was enabled before the first
+
+
+def _python_gc_disable() -> bool:
+    """``disable_python_gc``: collect once, then no automatic cyclic collection while such an engine lives
+    (``engine.collect_python_gc()`` runs one at a point the caller picks)."""
+    if _GC_HOLDERS[0] == 0:
+        _GC_HOLDERS[1] = gc.isenabled()
+        gc.collect()
+        gc.disable()
+    _GC_HOLDERS[0] += 1
+    return True
+
+
+def _python_gc_enable() -> None:
+    _GC_HOLDERS[0] -= 1
+    if _GC_HOLDERS[0] == 0 and _GC_HOLDERS[1]:
+        gc.enable()
+
+
+class DeepSpeedEngine(EngineAPI, nn.Module):
     """What `ds_all.initialize` returns first: the model (``engine.module``) with its ZeRO optimizer,
-    schedule, data loader, timers, monitors and profiler. Built by `initialize`; see its docstring."""
+    schedule, data loader, timers, monitors and profiler. Built by `initialize`; see its docstring. The
+    rest of DeepSpeed's engine API (getters, batch-size controls, offload_states, ...) is `EngineAPI`'s."""
 
     def __init__(self, *, model: nn.Module, config: Config, optimizer: Any = None, model_parameters: Any = None,
                  lr_scheduler: Any = None, training_data: Any = None, collate_fn: Callable | None = None,
@@ -60,6 +85,7 @@ class DeepSpeedEngine(nn.Module):
         self.global_steps = self.global_samples = self.micro_steps = 0
         self.timers = Timers()
         self.zero: ZeroOptimizer | None = None
+        self._init_api_attributes(optimizer, lr_scheduler, training_data, collate_fn)
         self._pending_save: Any = None  # an asynchronous save still writing
         self._writer_group: Any = None  # the process group of its background collectives
         self.optimizer: Any = None
@@ -77,7 +103,7 @@ class DeepSpeedEngine(nn.Module):
                 aio=config.aio, param_groups=groups, **self._zero_options())
         try:  # what fails from here leaves no ZeRO hook on the caller's model
             self.lr_scheduler = self._scheduler(lr_scheduler)
-            self.training_dataloader = self.deepspeed_io(training_data, collate_fn=collate_fn) \
+            self.training_dataloader = self._training_loader(training_data, collate_fn) \
                 if training_data is not None else None
             ds_comm.configure(config.comms_logger)
             if "activation_checkpointing" in config.model_fields_set:
@@ -89,6 +115,8 @@ class DeepSpeedEngine(nn.Module):
             if self.zero is not None:
                 self.zero.close()
             raise
+        self._autocast = self._autocast_context()
+        self._gc_disabled = _python_gc_disable() if config.disable_python_gc else False
         self.flops_profiler: FlopsProfiler | None = None
         self._profiling = False
         self._losses: torch.Tensor | None = None  # the mean loss of this accumulation (rank's own)
@@ -98,6 +126,28 @@ class DeepSpeedEngine(nn.Module):
             logger.info("ds_all config:\n%s", config.model_dump_json(indent=2, exclude_defaults=True))
 
     # ------------------------------------------------------------------------------ construction
+    def _training_loader(self, training_data: Any, collate_fn: Callable | None):
+        """The loader of ``initialize(training_data=...)``: DeepSpeed's ``deepspeed_io`` (shuffled)."""
+        return self.deepspeed_io(training_data, collate_fn=collate_fn)
+
+    def _autocast_context(self) -> Callable[[], Any]:
+        """The forward's context: ``torch.autocast`` with ``torch_autocast``'s dtype when it is enabled."""
+        section = self.config.torch_autocast
+        if not section.enabled:
+            return contextlib.nullcontext
+        for name in section.lower_precision_safe_modules or ():  # named as DeepSpeed checks them: importable
+            package, _, attribute = name.rpartition(".")
+            try:
+                getattr(importlib.import_module(package), attribute)
+            except (ImportError, AttributeError, ValueError) as e:
+                raise ValueError(f"torch_autocast.lower_precision_safe_modules: cannot import {name!r} ({e})") from None
+        dtype = self.torch_autocast_dtype()
+        if dtype == torch.float16 and self.config.zero_optimization.stage == 0:
+            raise NotImplementedError("torch_autocast with dtype fp16 at zero_optimization.stage 0 needs DeepSpeed's "
+                                      "torch GradScaler, not built in ds-all; use bf16, or a ZeRO stage 1-3")
+        device_type = self.device.type
+        return lambda: torch.autocast(device_type=device_type, dtype=dtype, enabled=True)
+
     def _zero_options(self) -> dict[str, Any]:
         """How ZeRO reduces: in its backward hooks, one micro-step per ``backward``/``step`` pair."""
         return {"gradient_accumulation_steps": self.config.gradient_accumulation_steps}
@@ -126,7 +176,8 @@ class DeepSpeedEngine(nn.Module):
         offload = self.config.zero_optimization.offload_optimizer is not None and \
             self.config.zero_optimization.offload_optimizer.device == "cpu"
         section = self.config.optimizer
-        return (lambda params: build_optimizer(section, params, offload=offload)), groups
+        bf16_states = bool(self.config.bf16.enabled is True and self.config.bf16.bf16_optimizer_states)
+        return (lambda params: build_optimizer(section, params, offload=offload, bf16_states=bf16_states)), groups
 
     def _scheduler(self, lr_scheduler: Any) -> Any:
         if lr_scheduler is not None and self.config.scheduler.type is not None:
@@ -143,17 +194,25 @@ class DeepSpeedEngine(nn.Module):
             return lr_scheduler(self.optimizer.optimizer)
         return lr_scheduler
 
-    def deepspeed_io(self, dataset: Any, batch_size: int | None = None, route: Any = None, pin_memory: bool = False,
+    def deepspeed_io(self, dataset: Any, batch_size: int | None = None, route: Any = "train", pin_memory: bool = True,
                      data_sampler: Any = None, collate_fn: Callable | None = None,
                      num_local_io_workers: int | None = None) -> torch.utils.data.DataLoader:
         """A data loader of ``dataset`` for this data-parallel rank: micro-batches of
-        ``train_micro_batch_size_per_gpu`` from a `DistributedSampler` over the data-parallel ranks."""
-        del route  # DeepSpeed's train/eval route changes nothing in its loader either
+        ``train_micro_batch_size_per_gpu`` from a `DistributedSampler` over the data-parallel ranks
+        (shuffled for ``route="train"``, in order for "eval" and "predict", as DeepSpeed's)."""
+        routes = ("train", "eval", "predict", "encode")
+        if route not in routes:
+            raise ValueError(f"deepspeed_io: route must be one of {', '.join(repr(r) for r in routes)}, got {route!r}")
+        return self._loader(dataset, batch_size, pin_memory, data_sampler, collate_fn, num_local_io_workers,
+                            shuffle=route not in ("eval", "predict"))
+
+    def _loader(self, dataset: Any, batch_size: int | None, pin_memory: bool, data_sampler: Any,
+                collate_fn: Callable | None, num_local_io_workers: int | None, *, shuffle: bool):
         return _data.loader(dataset, batch_size=batch_size or self.train_micro_batch_size_per_gpu(),
                             num_replicas=self.dp_world_size, rank=ds_comm.get_rank(self.data_parallel_group),
                             drop_last=self.config.dataloader_drop_last, pin_memory=pin_memory,
                             data_sampler=data_sampler, collate_fn=collate_fn,
-                            num_workers=num_local_io_workers or 0)
+                            num_workers=num_local_io_workers or 0, shuffle=shuffle)
 
     # ----------------------------------------------------------------------------- the loop
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
@@ -166,7 +225,8 @@ class DeepSpeedEngine(nn.Module):
             self._profiling = True
         self.timers(FORWARD).start()
         try:
-            return self.module(*inputs, **kwargs)
+            with self._autocast():
+                return self.module(*inputs, **kwargs)
         finally:
             self.timers(FORWARD).stop()
             if self._profiling:
@@ -174,7 +234,8 @@ class DeepSpeedEngine(nn.Module):
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backward of ``loss`` through ZeRO (divided by the accumulation steps, times the fp16 loss
-        scale; gradients reduced as they are produced). Returns ``loss``."""
+        scale; gradients reduced as they are produced). Returns the loss divided by the accumulation
+        steps (``scale_wrt_gas``), as DeepSpeed's does."""
         zero = self._require_optimizer("backward")
         if torch.is_tensor(loss) and loss.numel() == 1:
             piece = loss.detach().float() / self.gradient_accumulation_steps()
@@ -184,12 +245,14 @@ class DeepSpeedEngine(nn.Module):
             zero.backward(loss, retain_graph=retain_graph, scale_wrt_gas=scale_wrt_gas)
         finally:
             self.timers(BACKWARD).stop()
-        return loss
+        return loss / self.gradient_accumulation_steps() if scale_wrt_gas else loss
 
     def step(self) -> None:
         """One micro-step: at the accumulation boundary the optimizer steps (skipped on fp16
         overflow), gradients are zeroed, the schedule steps, monitors and progress are written."""
         zero = self._require_optimizer("step")
+        if self.inside_no_sync_ctxt:
+            raise RuntimeError("engine.step: inside no_sync, gradients are not reduced; step after the block")
         boundary = zero.is_gradient_accumulation_boundary
         self.timers(STEP).start()
         waited = zero.reduction_wait_s
@@ -221,7 +284,7 @@ class DeepSpeedEngine(nn.Module):
             if loss is not None:
                 events.append(("Train/Samples/train_loss", loss, self.global_samples))
             if self.fp16_enabled():
-                events.append(("Train/Samples/loss_scale", self.loss_scale, self.global_samples))
+                events.append(("Train/Samples/loss_scale", self.zero.loss_scale, self.global_samples))
             if self.get_global_grad_norm() is not None:
                 events.append(("Train/Samples/grad_norm", self.get_global_grad_norm(), self.global_samples))
             elapsed = time.perf_counter() - self._interval_start
@@ -281,10 +344,6 @@ class DeepSpeedEngine(nn.Module):
 
     def get_global_grad_norm(self) -> float | None:
         return self.zero.get_global_grad_norm() if self.zero is not None else None
-
-    @property
-    def loss_scale(self) -> float:
-        return self.zero.loss_scale if self.zero is not None else 1.0
 
     @property
     def skipped_steps(self) -> int:
@@ -353,6 +412,7 @@ class DeepSpeedEngine(nn.Module):
         one module at a time). At stage 3 this needs ``stage3_gather_16bit_weights_on_model_save``;
         without it nothing is written and False is returned (DeepSpeed's behaviour), with a warning."""
         zero = self.config.zero_optimization
+        _checkpoint.check_directory(save_dir, "save_16bit_model", "save_dir")
         if zero.stage == 3 and not zero.gather_16bit_weights_on_model_save:
             logger.warning("save_16bit_model: nothing saved: at stage 3 the weights are partitioned, and "
                            "zero_optimization.stage3_gather_16bit_weights_on_model_save is false (set it true to "
@@ -404,3 +464,9 @@ class DeepSpeedEngine(nn.Module):
         if self._owns_process_group and ds_comm.is_initialized():
             ds_comm.destroy_process_group()
         self._owns_process_group = False
+        if self._gc_disabled:
+            _python_gc_enable()
+            self._gc_disabled = False
+        from .utils import groups
+
+        groups.mpu = None  # as DeepSpeed's destroy: the next initialize registers its own

@@ -18,6 +18,7 @@ from ds_pipe import PipelineModule
 from ._engine import DeepSpeedEngine
 from ._pipe_engine import PipelineEngine
 from .config import Config
+from .utils import groups
 
 logger = logging.getLogger("ds_all")
 
@@ -100,10 +101,13 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     try:
         dp_world_size = ds_comm.get_world_size(mpu.get_data_parallel_group() if mpu is not None else None)
         resolved = Config.load(source).resolve(dp_world_size=dp_world_size)
+        _check_parallel_sizes(resolved, dp_world_size)
         if resolved.seed is not None:
             random.seed(resolved.seed)
             torch.manual_seed(resolved.seed)
         _show_progress_logs()
+        if resolved.log_level is not None:  # after the progress logs' own level, which it overrides
+            _set_log_level(resolved.log_level)
         engine_class = PipelineEngine if pipeline else DeepSpeedEngine
         engine = engine_class(model=model, config=resolved, optimizer=optimizer, model_parameters=model_parameters,
                               lr_scheduler=lr_scheduler, training_data=training_data, collate_fn=collate_fn,
@@ -112,4 +116,34 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
         if owns_group:  # nothing half-built is left behind: the group this call created goes too
             ds_comm.destroy_process_group()
         raise
+    if mpu is not None:  # ds_all.utils.groups answers from it from now on, as DeepSpeed's engine arranges
+        groups.mpu = mpu
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+# The loggers log_level sets: DeepSpeed's ("DeepSpeed", ds_all.utils.logger) and every ds package's.
+_LOGGERS = ("DeepSpeed", "ds_all", "ds_zero", "ds_pipe", "ds_comm", "ds_ops", "ds_io", "ds_compress", "ds_profiler",
+            "ds_config")
+
+
+def _set_log_level(level: str) -> None:
+    """``log_level``: DeepSpeed's set_log_level_from_string, for its logger and each ds package's."""
+    for name in _LOGGERS:
+        log = logging.getLogger(name)
+        log.setLevel(level.upper())
+        for handler in log.handlers:
+            handler.setLevel(level.upper())
+
+
+def _check_parallel_sizes(config: Config, dp_world_size: int) -> None:
+    """``data_parallel_size`` (with ``sequence_parallel_size``: DeepSpeed's device mesh, whose product is the
+    world size) must describe the ranks there are."""
+    dp, sp = config.data_parallel_size, config.sequence_parallel_size
+    if dp is None or dp == dp_world_size:
+        return
+    if sp is not None:
+        raise ValueError(f"data_parallel_size {dp} × sequence_parallel_size {sp} must be the {dp_world_size} "
+                         f"data-parallel ranks of this run (DeepSpeed builds its device mesh from them)")
+    logging.getLogger(__name__).warning("data_parallel_size %d is not the %d data-parallel ranks of this run; DeepSpeed "
+                                        "reads it only with sequence_parallel_size, and so it is ignored", dp,
+                                        dp_world_size)

@@ -3,11 +3,14 @@ iteration counter, writing the rates into the param groups, and the checks of it
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 from typing import Any
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 WARMUP_TYPES = ("log", "linear")
 
@@ -63,9 +66,13 @@ def ordered(owner: str, low_name: str, lows: Sequence[float], high_name: str, hi
 
 
 def warmup_type(owner: str, value: Any) -> str:
-    if value not in WARMUP_TYPES:
-        raise ValueError(f"{owner}: warmup_type must be 'log' or 'linear', got {value!r}")
-    return value
+    """``value`` when it is "log" or "linear"; anything else falls back to "log" with a warning, as in
+    DeepSpeed."""
+    if isinstance(value, str) and value in WARMUP_TYPES:
+        return value
+    logger.warning("%s: unknown warmup_type %r (allowed: 'log', 'linear'); using 'log' instead, as DeepSpeed does",
+                   owner, value)
+    return "log"
 
 
 def warmup_fraction(kind: str, iteration: int, steps: int) -> float:

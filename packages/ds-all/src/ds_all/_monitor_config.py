@@ -89,6 +89,20 @@ class DataTypesConfig(Section):
 
     grad_accum_dtype: Literal["fp32", "fp16", "bf16"] | None = Field(None, description="Gradient accumulation "
                                                                      "dtype (null: the model's).")
+    param_dtype: str | None = Field(None, description="The parameters' dtype; must agree with fp16/bf16 (DeepSpeed "
+                                    "0.19 checks it, the precision sections decide it).")
+    buffer_dtype: str | None = Field(None, description="The buffers' dtype (DeepSpeed 0.19: buffers keep theirs "
+                                     "unless this is set).")
+    keep_in_fp32_modules: Literal["auto"] | list[str] = Field("auto", description="Name patterns of buffers kept "
+                                                              "in float32.")
+
+    @field_validator("param_dtype", "buffer_dtype")
+    @classmethod
+    def _dtype(cls, value: str | None, info) -> str | None:
+        from ._runtime_config import dtype_name
+
+        dtype_name(value, f"data_types.{info.field_name}")
+        return value
 
 
 # DeepSpeed's optimizer types (lower case, as DeepSpeed compares them); any torch.optim class by name too.

@@ -79,6 +79,11 @@ def _choose(name: str, params: dict[str, Any], offload: bool) -> tuple[type, dic
     return getattr(torch.optim, name), params  # OptimizerConfig admitted only torch.optim's class names
 
 
+def optimizer_class(name: str, params: dict[str, Any], *, offload: bool) -> tuple[type, dict[str, Any]]:
+    """The class DeepSpeed's rules build for optimizer type ``name`` and the keyword arguments it gets."""
+    return _choose(name, dict(params), offload)
+
+
 def _check_arguments(cls: type, kwargs: dict[str, Any]) -> None:
     """Every key a keyword of ``cls``'s constructor and every required one given, else ConfigError."""
     parameters = dict(inspect.signature(cls).parameters)
@@ -100,15 +105,16 @@ def _check_arguments(cls: type, kwargs: dict[str, Any]) -> None:
         raise ConfigError(problems, "optimizer")
 
 
-def build_optimizer(config: Any, params: Any, *, offload: bool = False):
+def build_optimizer(config: Any, params: Any, *, offload: bool = False, bf16_states: bool = False):
     """The optimizer a DeepSpeed config asks for, over ``params`` (parameters or parameter groups); None when
     the config has no ``optimizer`` section.
 
     ``config`` is an `OptimizerConfig`, the ``optimizer`` section as a dict (``{"type": "AdamW", "params":
     {...}}``), a whole DeepSpeed config as a dict, or the path of a JSON file holding one. ``offload=True``
     (ZeRO's ``offload_optimizer``) picks the CPU optimizers, as DeepSpeed does. Adam/AdamW read and drop
-    ``torch_adam`` and ``adam_w_mode``. Bad sections and parameters raise `ds_config.ConfigError` (a
-    ValueError) naming the key and what the optimizer accepts.
+    ``torch_adam`` and ``adam_w_mode``. ``bf16_states`` (``bf16.bf16_optimizer_states``): ds-ops' Adam keeps its
+    moments in bfloat16, as DeepSpeed's engine arranges. Bad sections and parameters raise
+    `ds_config.ConfigError` (a ValueError) naming the key and what the optimizer accepts.
     """
     section = _section(config)
     if section is None:
@@ -122,6 +128,10 @@ def build_optimizer(config: Any, params: Any, *, offload: bool = False):
         raise _problem("max_grad_norm", "is not an optimizer parameter in a DeepSpeed config; use the top-level "
                                         "'gradient_clipping'")
     cls, kwargs = _choose(section.type, kwargs, offload)
+    if bf16_states and cls is ds_ops.CPUAdam:
+        kwargs.setdefault("fp32_optimizer_states", False)
+    elif bf16_states and cls is ds_ops.FusedAdam:
+        kwargs.setdefault("state_dtype", torch.bfloat16)
     _check_arguments(cls, kwargs)
     optimizer = cls(params, **kwargs)
     logger.debug("built %s(%s) for optimizer type %s", cls.__name__, kwargs, section.type)

@@ -33,6 +33,16 @@ class PipelineEngine(DeepSpeedEngine):
     """`DeepSpeedEngine` for a `PipelineModule`: `train_batch` and `eval_batch` instead of
     forward/backward/step (DeepSpeed's PipelineEngine). Built by `initialize`."""
 
+    # DeepSpeed's table of the dtypes its stages send (an id per dtype)
+    ID_TO_DTYPE = [torch.float32, torch.float64, torch.complex64, torch.complex128, torch.float16, torch.bfloat16,
+                   torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.bool]
+    DTYPE_TO_ID = {dtype: id_ for id_, dtype in enumerate(ID_TO_DTYPE)}
+
+    def _training_loader(self, training_data: Any, collate_fn: Any):
+        """DeepSpeed's pipeline loader: the data-parallel share of ``training_data`` in order (its
+        DistributedSampler does not shuffle), repeated by ``train_batch``."""
+        return self._loader(training_data, None, True, None, collate_fn, None, shuffle=False)
+
     def __init__(self, *, model: PipelineModule, config, **kwargs: Any) -> None:
         if config.zero_optimization.stage > 2:
             raise ValueError(f"initialize: a PipelineModule trains with zero_optimization.stage 0, 1 or 2, got "
@@ -46,6 +56,14 @@ class PipelineEngine(DeepSpeedEngine):
         if stages != "auto" and stages != model.num_stages:
             raise ValueError(f"initialize: pipeline.stages is {stages} but the PipelineModule has {model.num_stages} "
                              "stages")
+        if "virtual_stages" in config.pipeline.model_fields_set and \
+                config.pipeline.virtual_stages != model.virtual_stages:
+            raise ValueError(f"initialize: pipeline.virtual_stages is {config.pipeline.virtual_stages} but the "
+                             f"PipelineModule was built with virtual_stages={model.virtual_stages} (the module's "
+                             "split into chunks decides it)")
+        if config.torch_autocast.enabled:
+            raise NotImplementedError("torch_autocast with a PipelineModule is not implemented in ds-all: the "
+                                      "schedule runs the forward; use bf16 or fp16 (the bf16/fp16 sections)")
         self._checkpoint_names = model.checkpoint_names()
         super().__init__(model=model, config=config, **kwargs)
         if self.zero is None:
@@ -62,6 +80,12 @@ class PipelineEngine(DeepSpeedEngine):
         self.data_iterator = _repeat(self.training_dataloader) if self.training_dataloader is not None else None
         self.micro_batches = config.gradient_accumulation_steps
         self.num_stages, self.stage_id = model.num_stages, model.stage_id
+        self.prev_stage, self.next_stage = self.stage_id - 1, self.stage_id + 1
+        self.grid, self.pipeline_parallelism = self.mpu, True
+        self.is_pipe_parallel, self.is_data_parallel = self.num_stages > 1, self.dp_world_size > 1
+        self.batch_fn = None  # set_batch_fn's
+        self.has_attention_mask = False  # set_has_attention_mask's
+        self._force_grad_boundary = False  # True while the schedule reduces and steps
 
     def _zero_options(self) -> dict[str, Any]:
         # the executor accumulates the micro-batches (some weight gradients arrive outside autograd:
@@ -81,9 +105,14 @@ class PipelineEngine(DeepSpeedEngine):
             self.timers(BACKWARD).stop()
 
     def _reduce(self, executor: PipelineExecutor) -> None:
-        self.zero.reduce_gradients()
+        self._force_grad_boundary = True
+        try:
+            self.zero.reduce_gradients()
+        finally:
+            self._force_grad_boundary = False
 
     def _optimizer_step(self, executor: PipelineExecutor) -> None:
+        self._force_grad_boundary = True
         self.timers(STEP).start()
         waited = self.zero.reduction_wait_s
         try:
@@ -92,6 +121,7 @@ class PipelineEngine(DeepSpeedEngine):
         finally:
             self.timers(STEP).stop()
             self.timers(ALLREDUCE).add(self.zero.reduction_wait_s - waited)
+            self._force_grad_boundary = False
 
     # -- the loop -------------------------------------------------------------------------------
     def train_batch(self, data_iter: Iterator | None = None) -> torch.Tensor:
@@ -116,15 +146,96 @@ class PipelineEngine(DeepSpeedEngine):
         return self.executor.eval_batch(self._data(data_iter, "eval_batch"), return_logits=return_logits)
 
     def _data(self, data_iter, call: str):
-        if data_iter is not None:
+        if data_iter is None:
+            if self.data_iterator is None and (self.is_first_stage() or self.is_last_stage()):
+                raise ValueError(f"engine.{call}: no data for this stage (it reads inputs or labels): pass "
+                                 "data_iter, or training_data to initialize")
+            data_iter = self.data_iterator
+        if data_iter is None or self.batch_fn is None:
             return data_iter
-        if self.data_iterator is None and (self.is_first_stage() or self.is_last_stage()):
-            raise ValueError(f"engine.{call}: no data for this stage (it reads inputs or labels): pass data_iter, "
-                             "or training_data to initialize")
-        return self.data_iterator
+        return map(self.batch_fn, data_iter)
 
     def set_dataiterator(self, iterator: Iterator) -> None:
-        self.data_iterator = iterator
+        """Read the batches from ``iterator`` (the first and last stages read data; others ignore it)."""
+        if self.is_first_stage() or self.is_last_stage():
+            self.training_dataloader = None
+            self.data_iterator = iterator
+
+    def set_dataloader(self, loader) -> None:
+        """Read the batches from ``loader`` (the first and last stages read data; others ignore it)."""
+        if self.is_first_stage() or self.is_last_stage():
+            self.training_dataloader = loader
+            self.data_iterator = iter(loader)
+
+    def set_batch_fn(self, fn) -> None:
+        """Apply ``fn`` to every batch read (before the stage takes its inputs or labels from it)."""
+        if fn is not None and not callable(fn):
+            raise ValueError(f"set_batch_fn: fn must be callable or None, got {type(fn).__name__}")
+        self.batch_fn = fn
+
+    def set_has_attention_mask(self, value: bool) -> None:
+        """DeepSpeed casts a last boolean output to half for NCCL when this is set; ds-pipe sends boolean
+        tensors as they are, so the flag is only kept."""
+        if not isinstance(value, bool):
+            raise ValueError(f"set_has_attention_mask: value must be True or False, got {value!r}")
+        self.has_attention_mask = value
+
+    def reset_activation_shape(self) -> None:
+        """The next batch's activations may have other shapes (a longer sequence); every rank calls it."""
+        self.executor.reset_activation_shape()
+
+    def _set_accumulation_steps(self, steps: int) -> None:
+        self.executor.set_micro_batches(steps)  # ZeRO steps once per batch: its own accumulation stays 1
+        self.micro_batches = steps
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """True while the schedule reduces the gradients and steps the optimizer (DeepSpeed's)."""
+        return self._force_grad_boundary
+
+    def get_pipeline_parallel_rank(self) -> int:
+        return self.stage_id
+
+    def get_additional_losses(self):
+        """DeepSpeed's extra losses a PipelineModule may report: none in ds-pipe (None)."""
+        return None
+
+    def module_state_dict(self, exclude_frozen_parameters: bool = False):
+        raise RuntimeError("PipelineEngine.module_state_dict: as in DeepSpeed, only save_checkpoint saves a pipeline "
+                           "(here all stages in one sharded checkpoint); engine.module.state_dict() is this stage's "
+                           "weights")
+
+    def load_module_state_dict(self, checkpoint, strict: bool = True, custom_load_fn=None, fetch_z3_params: bool = False,
+                               z3_params_to_fetch=None, allowed_missing_keys=None) -> None:
+        """Load ``checkpoint["module"]`` (a state dict of this stage's module) into it; a pipeline checkpoint's
+        directory is load_checkpoint's."""
+        if custom_load_fn is not None:
+            raise ValueError("load_module_state_dict: custom_load_fn is not supported with pipeline parallelism (as in "
+                             "DeepSpeed)")
+        if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("module"), dict):
+            raise RuntimeError("PipelineEngine.load_module_state_dict: a pipeline checkpoint is loaded by "
+                               "load_checkpoint; pass {'module': <this stage's state dict>} to load weights directly")
+        super().load_module_state_dict(checkpoint, strict, allowed_missing_keys=allowed_missing_keys)
+
+    def log_for_device(self, *msg) -> None:
+        """A debug line tagged with this rank's stage and data-parallel index (DeepSpeed prints these only
+        when its module constants are edited; here they go to the logger at DEBUG)."""
+        logger.debug("RANK=%d PIPE-ID=%d DATA-ID=%d STEP-ID=%d :: %s", self.global_rank, self.stage_id,
+                     self.get_data_parallel_rank(), self.global_steps, " ".join(str(m) for m in msg))
+
+    def tput_log(self, *msg) -> None:
+        """Rank 0 logs ``msg`` every ``steps_per_print`` steps."""
+        if self.global_rank == 0 and self.global_steps % self.steps_per_print() == 0:
+            logger.info(" ".join(str(m) for m in msg))
+
+    def set_gradient_accumulation_boundary(self, is_boundary) -> None:
+        raise RuntimeError("PipelineEngine: the schedule decides the accumulation boundary (train_batch runs "
+                           "gradient_accumulation_steps micro-batches, then reduces and steps)")
+
+    def no_sync(self):
+        raise RuntimeError("PipelineEngine.no_sync: the schedule reduces the gradients once per train_batch")
+
+    def scale(self, loss):
+        raise RuntimeError("PipelineEngine.scale: the schedule runs the backward; call engine.train_batch()")
 
     def is_first_stage(self) -> bool:
         return self.stage_id == 0

@@ -53,6 +53,10 @@ class Timers:
             self._timers[name] = Timer(name)
         return self._timers[name]
 
+    def elapsed_all(self) -> dict[str, float]:
+        """Every timer's milliseconds so far, by name (none reset)."""
+        return {name: timer.elapsed(reset=False) for name, timer in self._timers.items()}
+
     def line(self, names: list[str], steps: int) -> str:
         """``time (ms) | fwd: 12.34 | ...``: the mean per optimizer step of each timer over the last
         ``steps`` steps (then reset)."""

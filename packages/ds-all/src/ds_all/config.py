@@ -12,12 +12,13 @@ not implement are accepted while disabled and refused, by name, when enabled.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 from ds_config import ConfigError, Section, load_ds_config
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from ds_comm import CommsLoggerConfig
 from ds_compress import CompressionConfig
@@ -36,6 +37,7 @@ from ._monitor_config import (
     TensorBoardConfig,
     WandbConfig,
 )
+from ._runtime_config import CompileConfig, TensorParallelConfig, TorchAutocastConfig, dtype_name
 from ._scheduler_config import SchedulerConfig
 
 Auto = Literal["auto"]
@@ -46,11 +48,13 @@ NOT_IMPLEMENTED = ("amp", "autotuning", "elasticity", "eigenvalue", "progressive
                    "data_efficiency", "hybrid_engine", "nebula", "comet", "quantize_training", "weight_quantization",
                    "graph_harvesting", "memory_breakdown", "sparse_gradients", "load_universal_checkpoint",
                    "use_node_local_storage", "zero_quantized_weights", "zero_quantized_gradients",
-                   "seq_parallel_communication_data_type", "timers", "disable_allgather")
+                   "seq_parallel_communication_data_type", "timers", "disable_allgather", "expert_parallel",
+                   "datastates_ckpt")
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
 # "auto" values that are settings of their own, not placeholders for the caller to fill in.
-MEANINGFUL_AUTO = ("pipeline.stages",)
+MEANINGFUL_AUTO = ("pipeline.stages", "data_types.keep_in_fp32_modules")
 
 
 def _enabled(value: Any) -> bool:
@@ -97,6 +101,36 @@ class Config(Section):
         default_factory=ActivationCheckpointingConfig, description="Activation checkpointing.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpoint options.")
     data_types: DataTypesConfig = Field(default_factory=DataTypesConfig, description="Data types.")
+    gradient_allreduce_op: str = Field("mean", description="How data-parallel gradients combine: \"mean\" "
+                                       "(DeepSpeed's default) or \"sum\" (refused: not built).")
+    disable_python_gc: bool = Field(False, description="Disable Python's cyclic garbage collector while the "
+                                    "engine lives (engine.collect_python_gc() runs it).")
+    managed_gradient_accumulation: bool = Field(True, description="The engine accumulates gradients over "
+                                                "micro-steps (false, the caller's own accumulation, is refused).")
+    log_level: str | None = Field(None, description="Level of the \"DeepSpeed\" logger and ds's loggers: "
+                                  "debug, info, warning, error or critical.")
+    data_parallel_size: int | None = Field(None, ge=1, description="Data-parallel ranks (with "
+                                           "sequence_parallel_size: their product is the world size).")
+    sequence_parallel_size: int | None = Field(None, ge=1, description="Sequence-parallel ranks (above 1: "
+                                               "refused, Ulysses is not built).")
+    use_data_before_expert_parallelism: bool = Field(False, description="The order of the data- and "
+                                                     "expert-parallel groups (MoE).")
+    torch_autocast: TorchAutocastConfig = Field(default_factory=TorchAutocastConfig, description="The forward "
+                                                "under torch.autocast.")
+    tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig, description="AutoTP "
+                                                  "(refused above size 1).")
+    compile: CompileConfig = Field(default_factory=CompileConfig, description="DeepCompile (refused when on).")
+
+    @field_validator("gradient_allreduce_op", "log_level")
+    @classmethod
+    def _lower_case_choice(cls, value: str | None, info) -> str | None:
+        allowed = ("mean", "sum") if info.field_name == "gradient_allreduce_op" else LOG_LEVELS
+        if value is None:
+            return None
+        if value.lower() not in allowed:  # DeepSpeed compares lower-cased
+            raise ValueError(f"{info.field_name} must be one of {', '.join(repr(a) for a in allowed)} (any case), "
+                             f"got {value!r}")
+        return value.lower()
 
     @model_validator(mode="before")
     @classmethod
@@ -104,6 +138,11 @@ class Config(Section):
         if not isinstance(data, dict):
             return data
         out = dict(data)
+        if "bfloat16" in out:  # DeepSpeed's old name of the bf16 section
+            if "bf16" in out:
+                raise ValueError("give bf16 or bfloat16 (its old name), not both")
+            logging.getLogger(__name__).warning("bfloat16 is the old name of the bf16 section; read as bf16")
+            out["bf16"] = out.pop("bfloat16")
         for key in NOT_IMPLEMENTED:
             if key in out:
                 value = out.pop(key)
@@ -118,12 +157,44 @@ class Config(Section):
     def _consistent(self) -> Config:
         if self.fp16.enabled is True and self.bf16.enabled is True:
             raise ValueError("fp16.enabled and bf16.enabled are both true; enable one of them")
+        self._refuse_what_is_not_built()
+        stage = self.zero_optimization.stage
+        if self.bf16.bf16_master_weights_and_grads and stage == 0:
+            raise ValueError("bf16.bf16_master_weights_and_grads needs zero_optimization.stage 1, 2 or 3 (as in "
+                             "DeepSpeed), got 0")
+        if self.data_types.param_dtype is not None and self.fp16.enabled != "auto" and self.bf16.enabled != "auto":
+            model = "float16" if self.fp16.enabled else "bfloat16" if self.bf16.enabled else "float32"
+            if dtype_name(self.data_types.param_dtype, "data_types.param_dtype") != model:
+                raise ValueError(f"data_types.param_dtype {self.data_types.param_dtype!r} conflicts with the "
+                                 f"precision fp16/bf16 choose ({model}); set the matching enabled flag or omit it")
         triad = (self.train_batch_size, self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps)
         if all(isinstance(v, int) for v in triad) and triad[0] % (triad[1] * triad[2]):
             raise ValueError(f"train_batch_size {triad[0]} is not train_micro_batch_size_per_gpu {triad[1]} × "
                              f"gradient_accumulation_steps {triad[2]} × a whole number of data-parallel ranks "
                              f"({triad[0]} / {triad[1] * triad[2]} = {triad[0] / (triad[1] * triad[2]):g})")
         return self
+
+    def _refuse_what_is_not_built(self) -> None:
+        from . import __version__
+
+        def refuse(what: str, fix: str) -> None:
+            raise ValueError(f"{what} is not implemented in ds-all {__version__}; {fix}")
+
+        for section in (self.tensor_parallel, self.compile):
+            what = section.refusal()
+            if what is not None:
+                refuse(what, "remove the key or turn it off")
+        if (self.sequence_parallel_size or 1) > 1:
+            refuse(f"sequence_parallel_size {self.sequence_parallel_size}: sequence parallelism (Ulysses)",
+                   "remove the key or set it to 1")
+        if self.gradient_allreduce_op == "sum":
+            if self.zero_optimization.stage == 3:  # DeepSpeed's own refusal
+                raise ValueError("gradient_allreduce_op 'sum' is not supported with ZeRO stage 3 (as in DeepSpeed)")
+            refuse("gradient_allreduce_op 'sum' (summed data-parallel gradients)",
+                   "use 'mean' and multiply the loss by the data-parallel world size for the same gradients")
+        if not self.managed_gradient_accumulation:
+            refuse("managed_gradient_accumulation false (the caller's own gradient accumulation)",
+                   "remove the key: the engine accumulates over gradient_accumulation_steps")
 
     @classmethod
     def load(cls, config: Config | Mapping | str | os.PathLike) -> Config:

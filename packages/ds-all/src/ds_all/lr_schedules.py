@@ -15,11 +15,14 @@ would accept nonsense (see "Differences from DeepSpeed" in the README).
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
 from ._lr_base import Schedule, integer, number, ordered, per_group, warmup_fraction
 from ._lr_base import warmup_type as check_warmup_type
+
+logger = logging.getLogger(__name__)
 
 # DeepSpeed's module constants: the schedules' names and their keys in the ``scheduler.params`` section
 LR_SCHEDULE = "lr_schedule"
@@ -65,12 +68,19 @@ __all__ = ["COS_MIN_RATIO", "CYCLE_FIRST_STAIR_COUNT", "CYCLE_FIRST_STEP_SIZE", 
            "WARMUP_TYPE", "LRRangeTest", "OneCycle", "WarmupCosineLR", "WarmupDecayLR", "WarmupLR"]
 
 
+def _warn_short_total(owner: str, total: int, warmup: int, floor: str) -> None:
+    if total < warmup:
+        logger.warning("%s: total_num_steps (%d) is less than warmup_num_steps (%d, which is at least 2); the "
+                       "rate goes to %s right after the warmup, as in DeepSpeed", owner, total, warmup, floor)
+
+
 class WarmupLR(Schedule):
     """The rate of each group rises from ``warmup_min_lr`` to ``warmup_max_lr`` over ``warmup_num_steps``
     iterations (``warmup_type`` "log": by ln(i + 1) / ln(steps); "linear": by i / steps), then stays there.
 
     ``warmup_max_lr=None`` means each group's rate as the optimizer has it. ``warmup_num_steps`` below 2
-    counts as 2 (as in DeepSpeed). At construction the rate is ``warmup_min_lr``, and it still is after the
+    counts as 2 (1 as in DeepSpeed; 0, which DeepSpeed refuses, too). An unknown ``warmup_type`` is "log",
+    with a warning, as in DeepSpeed. At construction the rate is ``warmup_min_lr``, and it still is after the
     first ``step()`` (iteration 0).
     """
 
@@ -110,7 +120,9 @@ class WarmupLR(Schedule):
 
 class WarmupDecayLR(WarmupLR):
     """`WarmupLR`'s warmup, then a linear decay of the rate from ``warmup_max_lr`` back to
-    ``warmup_min_lr`` at iteration ``total_num_steps`` (and ``warmup_min_lr`` after it)."""
+    ``warmup_min_lr`` at iteration ``total_num_steps`` (and ``warmup_min_lr`` after it). A
+    ``total_num_steps`` below ``warmup_num_steps`` is accepted with a warning, as in DeepSpeed: the rate
+    then drops to ``warmup_min_lr`` right after the warmup."""
 
     def __init__(self, optimizer: Any, total_num_steps: int, warmup_min_lr: float | list[float] = 0.0,
                  warmup_max_lr: float | list[float] = 0.001, warmup_num_steps: int = 1000,
@@ -118,9 +130,7 @@ class WarmupDecayLR(WarmupLR):
         Schedule.__init__(self, optimizer, last_batch_iteration)
         self._set_warmup(warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type)
         self.total_num_steps = integer("WarmupDecayLR", "total_num_steps", total_num_steps, minimum=1)
-        if self.total_num_steps < self.warmup_num_steps:
-            raise ValueError(f"WarmupDecayLR: total_num_steps ({self.total_num_steps}) must be >= "
-                             f"warmup_num_steps ({self.warmup_num_steps}, which is at least 2)")
+        _warn_short_total("WarmupDecayLR", self.total_num_steps, self.warmup_num_steps, "warmup_min_lr")
         self._start()
 
     def _after_warmup(self, i: int) -> float:
@@ -131,7 +141,9 @@ class WarmupCosineLR(Schedule):
     """Each group's own rate (as the optimizer has it at construction) times a ratio: the ratio rises
     from ``warmup_min_ratio`` to 1 over ``warmup_num_steps`` (``warmup_type`` as in `WarmupLR`), then
     follows a half cosine down to ``cos_min_ratio`` at iteration ``total_num_steps`` and stays there.
-    At construction the rate is ``warmup_min_ratio`` times the group's rate."""
+    At construction the rate is ``warmup_min_ratio`` times the group's rate. With ``total_num_steps`` at
+    or below ``warmup_num_steps`` (below: with a warning) the ratio drops to ``cos_min_ratio`` right after
+    the warmup, as in DeepSpeed."""
 
     def __init__(self, optimizer: Any, total_num_steps: int, warmup_min_ratio: float = 0.0,
                  warmup_num_steps: int = 1000, cos_min_ratio: float = 0.0001, warmup_type: str = "log",
@@ -143,9 +155,7 @@ class WarmupCosineLR(Schedule):
         self.warmup_num_steps = max(2, integer(owner, "warmup_num_steps", warmup_num_steps, minimum=0))
         self.warmup_type = check_warmup_type(owner, warmup_type)
         self.total_num_steps = integer(owner, "total_num_steps", total_num_steps, minimum=1)
-        if self.total_num_steps <= self.warmup_num_steps:
-            raise ValueError(f"WarmupCosineLR: total_num_steps ({self.total_num_steps}) must be > "
-                             f"warmup_num_steps ({self.warmup_num_steps}, which is at least 2)")
+        _warn_short_total(owner, self.total_num_steps, self.warmup_num_steps, "cos_min_ratio")
         self.base_lrs = [float(group["lr"]) for group in self.optimizer.param_groups]
         self._start()
 
@@ -157,7 +167,8 @@ class WarmupCosineLR(Schedule):
         if i < self.warmup_num_steps:
             fraction = warmup_fraction(self.warmup_type, i, self.warmup_num_steps)
             return self.warmup_min_ratio + (1.0 - self.warmup_min_ratio) * fraction
-        progress = min(1.0, (i - self.warmup_num_steps + 1) / (self.total_num_steps - self.warmup_num_steps))
+        decay_steps = max(1, self.total_num_steps - self.warmup_num_steps)  # 1: no decay window (DeepSpeed's)
+        progress = min(1.0, (i - self.warmup_num_steps + 1) / decay_steps)
         return self.cos_min_ratio + (1.0 - self.cos_min_ratio) * (1.0 + math.cos(math.pi * progress)) / 2
 
     def get_lr(self) -> list[float]:
@@ -198,17 +209,22 @@ class LRRangeTest(Schedule):
 
 class OneCycle(Schedule):
     """The 1-cycle policy: over ``cycle_first_step_size`` iterations the rate rises linearly from
-    ``cycle_min_lr`` to ``cycle_max_lr``, over ``cycle_second_step_size`` (default: the first) it falls back;
-    after the cycle it is ``cycle_min_lr / (1 + decay_lr_rate * n / decay_step_size)`` at the n-th
-    iteration past it (no decay when ``decay_step_size`` is 0).
+    ``cycle_min_lr`` to ``cycle_max_lr``, over ``cycle_second_step_size`` (default: the first; 0: none, the
+    rate is back at ``cycle_min_lr`` at the cycle's last iteration, as in DeepSpeed) it falls back; after the
+    cycle it is ``cycle_min_lr / (1 + decay_lr_rate * n / decay_step_size)`` at the n-th iteration past it
+    (no decay when ``decay_step_size`` is 0; a decay rate is then ignored with a warning, as DeepSpeed ignores
+    it).
 
     With ``cycle_momentum`` the momentum moves the other way between ``cycle_max_mom`` and ``cycle_min_mom``
-    and is ``cycle_max_mom * (1 + decay_mom_rate * n / decay_step_size)`` after the cycle. It is written as
-    ``betas[0]`` in groups that have ``betas`` (Adam-like), else as ``momentum`` (SGD-like).
+    and is ``cycle_max_mom * (1 + decay_mom_rate * n / decay_step_size)`` after the cycle. As in DeepSpeed,
+    it is written as ``betas = (momentum, 0.99)`` (beta2 replaced by 0.99, with one warning when a group had
+    another) and only for optimizers whose defaults have ``betas``; others (SGD's ``momentum``) get a warning
+    and no momentum cycling.
 
-    ``cycle_first_stair_count`` / ``cycle_second_stair_count`` (0: off; the second defaults to the first)
-    make each half a staircase of that many equal steps instead of a ramp. At construction the rate is
-    ``cycle_min_lr`` and the momentum ``cycle_max_mom``.
+    Rates and momenta are one number or a list with one per param group. ``cycle_first_stair_count`` /
+    ``cycle_second_stair_count`` (0: off; the second defaults to the first) make each half a staircase of
+    that many equal steps instead of a ramp (DeepSpeed's floor of the position in the half). At
+    construction the rate is ``cycle_min_lr`` and the momentum ``cycle_min_mom``, as DeepSpeed sets them.
     """
 
     def __init__(self, optimizer: Any, cycle_min_lr: float | list[float], cycle_max_lr: float | list[float],
@@ -222,12 +238,12 @@ class OneCycle(Schedule):
         owner, groups = "OneCycle", self.optimizer.param_groups
         self.first_size = integer(owner, "cycle_first_step_size", cycle_first_step_size, minimum=1)
         self.second_size = (self.first_size if cycle_second_step_size is None else
-                            integer(owner, "cycle_second_step_size", cycle_second_step_size, minimum=1))
+                            integer(owner, "cycle_second_step_size", cycle_second_step_size, minimum=0))
         self.total_size = self.first_size + self.second_size
-        self.first_stair_count = self._stairs("cycle_first_stair_count", cycle_first_stair_count, self.first_size)
-        self.second_stair_count = self._stairs(  # DeepSpeed: the second defaults to the first
-            "cycle_second_stair_count", self.first_stair_count if cycle_second_stair_count is None
-            else cycle_second_stair_count, self.second_size)
+        self.first_stair_count = integer(owner, "cycle_first_stair_count", cycle_first_stair_count, minimum=0)
+        self.second_stair_count = (  # DeepSpeed: the second defaults to the first
+            self.first_stair_count if cycle_second_stair_count is None
+            else integer(owner, "cycle_second_stair_count", cycle_second_stair_count, minimum=0))
         self.decay_step_size = integer(owner, "decay_step_size", decay_step_size, minimum=0)
 
         self.min_lrs = per_group(owner, "cycle_min_lr", cycle_min_lr, len(groups))
@@ -245,35 +261,33 @@ class OneCycle(Schedule):
                              for m in per_group(owner, "cycle_max_mom", cycle_max_mom, len(groups))]
             ordered(owner, "cycle_min_mom", self.min_moms, "cycle_max_mom", self.max_moms)
             self.decay_mom_rate = self._decay_rate("decay_mom_rate", decay_mom_rate, minimum=None)
-            for i, group in enumerate(groups):
-                if "betas" not in group and "momentum" not in group:
-                    raise ValueError(f"OneCycle: cycle_momentum is true but param group {i} of "
-                                     f"{type(self.optimizer).__name__} has neither 'betas' nor 'momentum'; "
-                                     "set cycle_momentum to false for this optimizer")
+            if "betas" not in getattr(self.optimizer, "defaults", {}):
+                logger.warning("OneCycle: cycle_momentum is true but %s has no 'betas' in its defaults; the momentum "
+                               "is not cycled (cycle_momentum false), as DeepSpeed does",
+                               type(self.optimizer).__name__)
+                self.cycle_momentum = False
+            else:
+                replaced = sorted({float(tuple(g["betas"])[1]) for g in groups if "betas" in g} - {0.99})
+                if replaced:
+                    logger.warning("OneCycle: cycle_momentum writes betas = (momentum, 0.99) as DeepSpeed does; "
+                                   "the param groups' beta2 %s is replaced by 0.99", replaced)
         self._start()
-
-    def _stairs(self, name: str, value: Any, size: int) -> int:
-        count = integer("OneCycle", name, value, minimum=0)
-        if count > size:
-            raise ValueError(f"OneCycle: {name} ({count}) must be <= the iterations of its half of the "
-                             f"cycle ({size}); 0 turns the staircase off")
-        return count
 
     def _decay_rate(self, name: str, value: Any, minimum: float | None) -> float:
         rate = number("OneCycle", name, value, minimum=minimum)
         if rate != 0 and self.decay_step_size == 0:
-            raise ValueError(f"OneCycle: {name} ({rate}) has no effect with decay_step_size 0; "
-                             "set decay_step_size > 0 (iterations per unit of decay) or the rate to 0")
+            logger.warning("OneCycle: %s (%g) has no effect with decay_step_size 0; no decay after the cycle, "
+                           "as in DeepSpeed (set decay_step_size > 0, the iterations per unit of decay)", name, rate)
         return rate
 
     def _scale(self) -> float:
         """How far up the cycle (0 at the bottom, 1 at the top) the current iteration is."""
-        done = self.last_batch_iteration + 1  # iterations into the cycle, 0 .. total_size
-        if done <= self.first_size:
-            stairs = self.first_stair_count
-            return (done * stairs // self.first_size) / stairs if stairs else done / self.first_size
-        down, stairs = done - self.first_size, self.second_stair_count
-        return 1.0 - ((down * stairs // self.second_size) / stairs if stairs else down / self.second_size)
+        position = (self.last_batch_iteration + 1) % self.total_size  # the cycle's last iteration is at 0
+        if position <= self.first_size:
+            stairs, rise = self.first_stair_count, position / self.first_size
+            return math.floor(position * stairs / self.first_size) / stairs if stairs else rise
+        left, stairs = self.total_size - position, self.second_stair_count  # second_size > 0 here
+        return math.floor(left * stairs / self.second_size) / stairs if stairs else left / self.second_size
 
     def _decay_factor(self, rate: float) -> float:
         past = self.last_batch_iteration - self.total_size + 1  # iterations past the cycle, from 1
@@ -298,11 +312,10 @@ class OneCycle(Schedule):
         momenta = self.get_mom()
         if momenta is None:
             return
+        if self.last_batch_iteration == -1:  # DeepSpeed's construction: the cycle's lowest momentum
+            momenta = self.min_moms
         for group, momentum in zip(self.optimizer.param_groups, momenta, strict=True):
-            if "betas" in group:
-                group["betas"] = (momentum, *tuple(group["betas"])[1:])
-            else:
-                group["momentum"] = momentum
+            group["betas"] = (momentum, 0.99)  # DeepSpeed's tuple, beta2 included
 
     def step(self, batch_iteration: int | None = None) -> None:
         """Advance one iteration (or jump to ``batch_iteration``) and set the optimizer's rates and

@@ -2,6 +2,7 @@
 
 from ds_pipe import (
     BackwardPass,
+    DataParallelSchedule,
     ForwardPass,
     InferenceSchedule,
     LoadMicroBatch,
@@ -15,7 +16,8 @@ from ds_pipe import (
     SendGrad,
     TrainSchedule,
 )
+from ds_pipe.schedule import PipeSchedule
 
-__all__ = ["BackwardPass", "ForwardPass", "InferenceSchedule", "LoadMicroBatch", "OptimizerStep", "PipeInstruction",
-           "RecvActivation", "RecvGrad", "ReduceGrads", "ReduceTiedGrads", "SendActivation", "SendGrad",
-           "TrainSchedule"]
+__all__ = ["BackwardPass", "DataParallelSchedule", "ForwardPass", "InferenceSchedule", "LoadMicroBatch", "OptimizerStep", "PipeInstruction",
+           "PipeSchedule", "RecvActivation", "RecvGrad", "ReduceGrads", "ReduceTiedGrads", "SendActivation",
+           "SendGrad", "TrainSchedule"]

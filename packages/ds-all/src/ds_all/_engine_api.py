@@ -1,0 +1,763 @@
+"""The rest of DeepSpeed's ``DeepSpeedEngine`` API on `DeepSpeedEngine`: its configuration getters (read
+from the `Config` and the parts the engine holds), batch-size and accumulation controls, state moves,
+module state dicts, the data-parallel helpers, and, for the DeepSpeed features ds-all has not built
+(MoE, data efficiency, autotuning, DeepCompile, AutoTP, sparse gradients), an error naming the feature.
+
+Getters that report whether such a feature is on answer False (it is off: the config refuses it), as
+DeepSpeed's do with the feature disabled; calls that would use it raise `NotImplementedError`. A mixin:
+the engine (``_engine.py``) owns the state; nothing here computes what a package below computes.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+import ds_comm
+import ds_ops
+from ds_zero import OffloadDeviceEnum
+
+from ._optimizers import optimizer_class
+
+logger = logging.getLogger("ds_all")
+
+_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def _setting(section: Any, name: str, default: Any) -> Any:
+    """``section.name``, or DeepSpeed's default where ds's config has no such key (it is then at it)."""
+    return getattr(section, name, default) if section is not None else default
+
+
+def not_built(call: str, feature: str) -> NotImplementedError:
+    from . import __version__
+
+    return NotImplementedError(f"engine.{call}: {feature} is a DeepSpeed feature ds-all {__version__} has not built")
+
+
+class EngineAPI:
+    """DeepSpeed's engine methods beyond the training loop (see the module docstring)."""
+
+    # The instance attributes DeepSpeed's engine sets that ds has values for (``__init__`` calls this).
+    def _init_api_attributes(self, optimizer: Any, lr_scheduler: Any, training_data: Any, collate_fn: Any) -> None:
+        self.client_optimizer, self.client_lr_scheduler = optimizer, lr_scheduler
+        self.training_data, self.collate_fn = training_data, collate_fn
+        self.gradient_average = True  # gradients are averaged over the data-parallel ranks
+        self.enable_backward_allreduce = True  # ZeRO reduces in backward (there is no other way in ds)
+        self.inside_no_sync_ctxt = False
+        self.has_moe_layers, self.num_experts, self.moe_layers, self.gate_modules = False, [], [], []
+        self.pipeline_parallelism = False
+        self.sequence_parallel_size, self.seq_dp_world_size = 1, self.dp_world_size
+        self.dist_backend = torch.distributed.get_backend() if ds_comm.is_initialized() else None
+        self._boundary_override: bool | None = None  # set_gradient_accumulation_boundary's (no_sync restores it)
+        self.warn_unscaled_loss = True
+
+    # ------------------------------------------------------------------------------ batch sizes
+    def get_batch_info(self) -> tuple[int, int, int]:
+        """``(train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps)``."""
+        return self.train_batch_size(), self.train_micro_batch_size_per_gpu(), self.gradient_accumulation_steps()
+
+    def set_train_batch_size(self, train_batch_size: int) -> None:
+        """A new global batch size, reached by changing the accumulation steps (the micro-batch stays);
+        between accumulations only."""
+        micro = self.train_micro_batch_size_per_gpu() * self.dp_world_size
+        if isinstance(train_batch_size, bool) or not isinstance(train_batch_size, int) or train_batch_size < 1 \
+                or train_batch_size % micro:
+            raise ValueError(f"set_train_batch_size: train_batch_size must be a positive multiple of "
+                             f"train_micro_batch_size_per_gpu {self.train_micro_batch_size_per_gpu()} × "
+                             f"{self.dp_world_size} data-parallel ranks = {micro}, got {train_batch_size!r}")
+        steps = train_batch_size // micro
+        self._set_accumulation_steps(steps)
+        self.config = self.config.model_copy(update={"train_batch_size": train_batch_size,
+                                                     "gradient_accumulation_steps": steps})
+
+    def _set_accumulation_steps(self, steps: int) -> None:
+        if self.zero is not None:
+            self.zero.set_gradient_accumulation_steps(steps)
+
+    def set_train_micro_batch_size(self, micro_batch_size: int) -> None:
+        """A new micro-batch size; the accumulation steps stay, so the global batch size follows. The
+        loader `initialize` built keeps its batch size (as DeepSpeed's)."""
+        if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int) or micro_batch_size < 1:
+            raise ValueError(f"set_train_micro_batch_size: micro_batch_size must be a positive integer, got "
+                             f"{micro_batch_size!r}")
+        train = micro_batch_size * self.gradient_accumulation_steps() * self.dp_world_size
+        self.config = self.config.model_copy(update={"train_batch_size": train,
+                                                     "train_micro_batch_size_per_gpu": micro_batch_size})
+
+    # ------------------------------------------------------------------- accumulation boundary
+    def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
+        """Decide the accumulation boundary by hand (DeepSpeed's pattern: False before the first
+        ``gas - 1`` backwards, True before the last, then one ``step()``); None: counted again."""
+        zero = self._require_optimizer("set_gradient_accumulation_boundary")
+        zero.set_gradient_accumulation_boundary(is_boundary)
+        self._boundary_override = is_boundary
+
+    @contextmanager
+    def no_sync(self):
+        """Backwards inside accumulate gradients without reducing them (stages 0-1; the reduction of
+        the next backward outside includes them); ``step()`` inside is an error."""
+        zero = self._require_optimizer("no_sync")
+        if self.zero_optimization_partition_gradients():
+            raise RuntimeError(f"engine.no_sync: ZeRO stage {self.zero_optimization_stage()} partitions gradients as "
+                               "they are produced; no_sync works with stages 0 and 1 (as in DeepSpeed)")
+        if self.inside_no_sync_ctxt:
+            raise RuntimeError("engine.no_sync: already inside no_sync (it does not nest)")
+        zero.set_gradient_accumulation_boundary(False)
+        self.inside_no_sync_ctxt = True
+        try:
+            yield
+        finally:
+            self.inside_no_sync_ctxt = False
+            zero.set_gradient_accumulation_boundary(self._boundary_override)
+
+    @contextmanager
+    def coalesce_grad_reduction(self):
+        raise not_built("coalesce_grad_reduction", "coalescing ZeRO's reductions of several backwards "
+                        "(ds-zero reduces each bucket as backward completes it)")
+        yield  # pragma: no cover
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` as `backward` would differentiate it (divided by the accumulation steps, times the fp16
+        loss scale), for ``engine.scale(loss).backward()`` followed by ``engine.step()``."""
+        zero = self._require_optimizer("scale")
+        if not torch.is_tensor(loss) or loss.numel() != 1 or loss.grad_fn is None:
+            raise ValueError(f"engine.scale: loss must be a one-element tensor with a grad_fn, got "
+                             f"{type(loss).__name__}{tuple(loss.shape) if torch.is_tensor(loss) else ''}")
+        if zero.gradient_accumulation_steps > 1:
+            loss = loss / zero.gradient_accumulation_steps
+        return loss.float() * zero.loss_scale if self.fp16_enabled() else loss
+
+    # -------------------------------------------------------------------------- states and memory
+    def offload_states(self, include: Any = None, device: OffloadDeviceEnum = OffloadDeviceEnum.cpu,
+                       pin_memory: bool = True, non_blocking: bool = False) -> None:
+        """Move ZeRO's states (``include``: `ds_zero.OffloadStateTypeEnum` values, default all) to the host
+        until `reload_states`; see `ds_zero.ZeroOptimizer.offload_states`."""
+        self._require_optimizer("offload_states").offload_states(include=include, device=device,
+                                                                  pin_memory=pin_memory, non_blocking=non_blocking)
+
+    def reload_states(self, non_blocking: bool = False) -> None:
+        """Move the states `offload_states` moved back where they were."""
+        self._require_optimizer("reload_states").reload_states(non_blocking=non_blocking)
+
+    def empty_partition_cache(self) -> None:
+        """Stage 3: give back the memory of gathered parameters (they are gathered again when used)."""
+        if self.zero is not None and self.zero.stage == 3:
+            self.zero.empty_partition_cache()
+            gc.collect()
+            ds_ops.get_accelerator().empty_cache()
+
+    def collect_python_gc(self) -> int:
+        """Run Python's cyclic garbage collector now; returns what it found unreachable."""
+        return gc.collect()
+
+    def get_wall_clock_timers(self) -> dict[str, float]:
+        """The engine's timers so far (``wall_clock_breakdown``), milliseconds by name."""
+        return self.timers.elapsed_all()
+
+    # ------------------------------------------------------------------------------ module state
+    def module_state_dict(self, destination: Any = None, prefix: str = "", keep_vars: bool = False,
+                          exclude_frozen_parameters: bool = False) -> dict[str, Any]:
+        """The module's ``state_dict()`` (at stage 3 its parameters are partitioned: use
+        `save_16bit_model` or ``ds_zero.GatheredParameters`` for whole ones)."""
+        state = self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+        if exclude_frozen_parameters:
+            for name, p in self.module.named_parameters():
+                if not p.requires_grad:
+                    state.pop(prefix + name, None)
+        return state
+
+    def load_module_state_dict(self, checkpoint: dict, strict: bool = True, custom_load_fn: Any = None,
+                               fetch_z3_params: bool = False, z3_params_to_fetch: Any = None,
+                               allowed_missing_keys: Any = None) -> None:
+        """Load ``checkpoint["module"]`` into the module (``custom_load_fn(src=..., dst=module)`` instead,
+        if given); ZeRO's float32 master copy follows. At stage 3 the parameters are gathered for it when
+        ``fetch_z3_params`` (or ``z3_params_to_fetch``) says so, as in DeepSpeed."""
+        import ds_zero
+
+        if not isinstance(checkpoint, dict) or "module" not in checkpoint:
+            raise ValueError(f"load_module_state_dict: checkpoint must be a dict with a 'module' entry, got "
+                             f"{type(checkpoint).__name__}")
+        if z3_params_to_fetch is not None:
+            fetch = list(z3_params_to_fetch)
+        else:
+            fetch = list(self.module.parameters()) if fetch_z3_params and self.zero_optimization_stage() == 3 else []
+        with ds_zero.GatheredParameters(fetch, modifier_rank=0, enabled=bool(fetch)):
+            state = checkpoint["module"]
+            if custom_load_fn is not None:
+                custom_load_fn(src=state, dst=self.module)
+            else:
+                result = self.module.load_state_dict(state, strict=strict and allowed_missing_keys is None)
+                if strict and allowed_missing_keys is not None:
+                    missing = set(result.missing_keys) - set(allowed_missing_keys)
+                    if missing or result.unexpected_keys:
+                        raise RuntimeError(f"load_module_state_dict: missing keys {sorted(missing)}, unexpected "
+                                           f"keys {sorted(result.unexpected_keys)}")
+        if self.zero is not None:
+            self.zero.refresh_fp32_params()
+
+    @staticmethod
+    def load_moe_state_dict(*args: Any, **kwargs: Any) -> None:
+        raise not_built("load_moe_state_dict", "Mixture of Experts")
+
+    # ------------------------------------------------------------------ data-parallel helpers
+    @property
+    def communication_data_type(self) -> torch.dtype:
+        """The dtype gradients are reduced in: ZeRO's (``communication_data_type``, else by precision)."""
+        if self.zero is not None:
+            return self.zero.communication_data_type
+        if self.config.communication_data_type is not None:
+            return _DTYPES[self.config.communication_data_type]
+        return torch.float16 if self.fp16_enabled() else torch.bfloat16 if self.bfloat16_enabled() else torch.float32
+
+    @communication_data_type.setter
+    def communication_data_type(self, value: torch.dtype) -> None:
+        if value != self.communication_data_type:
+            raise RuntimeError(f"engine.communication_data_type: ZeRO's reduction buffers are built in "
+                               f"{self.communication_data_type}; set communication_data_type in the config instead "
+                               f"of {value}")
+
+    def allreduce_bucket(self, bucket: list[torch.Tensor], dp_group: Any, dp_world_size: int | None = None
+                         ) -> torch.Tensor:
+        """The tensors of ``bucket`` flattened and averaged over ``dp_group`` (in `communication_data_type`,
+        divided as ``prescale_gradients`` / ``gradient_predivide_factor`` say); returns the flat result."""
+        tensor = _flatten_dense_tensors(bucket)
+        reduced = tensor if tensor.dtype == self.communication_data_type else tensor.to(self.communication_data_type)
+        n = dp_world_size if dp_world_size is not None else ds_comm.get_world_size(dp_group)
+        factor = self.gradient_predivide_factor()
+        if not self.gradient_average:
+            ds_comm.all_reduce(reduced, group=dp_group)
+        elif self.postscale_gradients():
+            if factor != 1.0:
+                reduced.mul_(1.0 / factor)
+            ds_comm.all_reduce(reduced, group=dp_group)
+            if factor != n:
+                reduced.mul_(factor / n)
+        else:
+            reduced.mul_(1.0 / n)
+            ds_comm.all_reduce(reduced, group=dp_group)
+        if reduced is not tensor:
+            tensor.copy_(reduced)
+        return tensor
+
+    def allreduce_and_copy(self, small_bucket: list[torch.Tensor], dp_group: Any,
+                           dp_world_size: int | None = None) -> None:
+        reduced = self.allreduce_bucket(small_bucket, dp_group, dp_world_size)
+        for tensor, synced in zip(small_bucket, _unflatten_dense_tensors(reduced, small_bucket), strict=True):
+            tensor.copy_(synced)
+
+    def allreduce_no_retain(self, bucket: list[torch.Tensor], dp_group: Any, numel_per_bucket: int = 500_000_000,
+                            dp_world_size: int | None = None) -> None:
+        """Average ``bucket``'s tensors over ``dp_group`` in place, ``numel_per_bucket`` elements at a time."""
+        small, numel = [], 0
+        for tensor in bucket:
+            small.append(tensor)
+            numel += tensor.numel()
+            if numel > numel_per_bucket:
+                self.allreduce_and_copy(small, dp_group, dp_world_size)
+                small, numel = [], 0
+        if small:
+            self.allreduce_and_copy(small, dp_group, dp_world_size)
+
+    def buffered_allreduce_fallback(self, grads: list[torch.Tensor] | None = None,
+                                    elements_per_buffer: int = 500_000_000) -> None:
+        """Average ``grads`` over the data-parallel ranks in place, per dtype. Without ``grads`` (the
+        model's own): ZeRO reduces those in backward already, so that is a RuntimeError."""
+        if grads is None:
+            raise RuntimeError("engine.buffered_allreduce_fallback: the model's gradients are ZeRO's, reduced in "
+                               "backward bucket by bucket; pass the tensors to reduce (grads=[...])")
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for grad in grads:
+            if grad.is_sparse:
+                raise not_built("buffered_allreduce_fallback", "sparse gradients")
+            by_dtype.setdefault(grad.dtype, []).append(grad)
+        for tensors in by_dtype.values():
+            self.allreduce_no_retain(tensors, self.data_parallel_group, elements_per_buffer)
+
+    def all_gather_scalar(self, value: torch.Tensor, dp_group: Any) -> list[torch.Tensor]:
+        out = [torch.zeros_like(value) for _ in range(ds_comm.get_world_size(dp_group))]
+        ds_comm.all_gather(out, value, group=dp_group)
+        return out
+
+    def allreduce_gradients(self, bucket_size: int = 500_000_000) -> None:
+        raise NotImplementedError("engine.allreduce_gradients: ds-zero reduces the gradients in backward's hooks, "
+                                  "bucket by bucket, and step() waits for them; there is no separate reduction to "
+                                  "call (nor DeepSpeed's enable_backward_allreduce=False that calls for one)")
+
+    def sparse_allreduce_no_retain(self, *args: Any, **kwargs: Any) -> None:
+        raise not_built("sparse_allreduce_no_retain", "sparse gradients (sparse_gradients)")
+
+    def sparse_allreduce_bucket(self, *args: Any, **kwargs: Any) -> None:
+        raise not_built("sparse_allreduce_bucket", "sparse gradients (sparse_gradients)")
+
+    def sparse_allreduce(self, *args: Any, **kwargs: Any) -> None:
+        raise not_built("sparse_allreduce", "sparse gradients (sparse_gradients)")
+
+    def sparse_all_gather(self, *args: Any, **kwargs: Any) -> None:
+        raise not_built("sparse_all_gather", "sparse gradients (sparse_gradients)")
+
+    def clip_fp32_gradients(self) -> None:
+        raise NotImplementedError("engine.clip_fp32_gradients: ZeRO clips the reduced gradients inside step() "
+                                  "(gradient_clipping); the module's .grad are its unreduced buffers")
+
+    # --------------------------------------------------------------------------- optimizer info
+    def _optimizer_param(self, name: str) -> list[Any]:
+        if self.optimizer is None:
+            return []
+        return [group.get(name, 0.0) for group in self.optimizer.param_groups]
+
+    def get_type(self) -> list[Any]:
+        return self._optimizer_param("type")
+
+    def get_mom(self) -> list[Any]:
+        """Each group's ``momentum`` (SGD, RMSprop) or ``betas`` (the others)."""
+        return self._optimizer_param("momentum" if self.optimizer_name() in ("SGD", "RMSprop") else "betas")
+
+    def optimizer_name(self) -> str | None:
+        """The client optimizer's class name, else the config's optimizer type (DeepSpeed's own types
+        lower-cased, as DeepSpeed reports them)."""
+        if self.client_optimizer is not None:
+            return type(self.client_optimizer).__name__
+        if self.config.optimizer is None:
+            return None
+        from ._monitor_config import OPTIMIZERS
+
+        name = self.config.optimizer.type
+        return name.lower() if name.lower() in OPTIMIZERS else name
+
+    def optimizer_params(self) -> dict | None:
+        return dict(self.config.optimizer.params) if self.config.optimizer is not None else None
+
+    def optimizer_legacy_fusion(self) -> bool:
+        return bool(_setting(self.config.optimizer, "legacy_fusion", False))
+
+    def scheduler_name(self) -> str | None:
+        return self.config.scheduler.type
+
+    def scheduler_params(self) -> dict | None:
+        return dict(self.config.scheduler.params) if self.config.scheduler.type is not None else None
+
+    def get_optimizer_configuration(self, optimizer_parameters: dict, adam_w_mode: bool,
+                                    allow_legacy_fallback: bool = False) -> tuple[type, dict[str, Any]]:
+        """The Adam class DeepSpeed's rules pick (torch's with ``torch_adam``, CPU Adam with offload, else
+        FusedAdam) and its mode arguments; ``torch_adam`` (and CPU Adam's ``fp32_optimizer_states``) are
+        taken out of ``optimizer_parameters``, as DeepSpeed does."""
+        torch_adam = optimizer_parameters.pop("torch_adam", False)
+        fp32_states = optimizer_parameters.pop("fp32_optimizer_states", None)
+        if torch_adam:
+            foreach = optimizer_parameters.pop("foreach", None)
+            return (torch.optim.AdamW if adam_w_mode else torch.optim.Adam), {"foreach": foreach}
+        cls, kwargs = optimizer_class("adamw" if adam_w_mode else "adam", {"adam_w_mode": adam_w_mode},
+                                      offload=self.zero_use_cpu_optimizer())
+        if self.zero_use_cpu_optimizer():
+            kwargs["fp32_optimizer_states"] = False if self.bf16_optimizer_states() else \
+                (True if fp32_states is None else fp32_states)
+        return cls, kwargs
+
+    # ---------------------------------------------------------------------------- ranks, groups
+    def get_data_parallel_rank(self) -> int:
+        return self.mpu.get_data_parallel_rank() if self.mpu is not None else \
+            ds_comm.get_rank(self.data_parallel_group)
+
+    def get_model_parallel_rank(self) -> int:
+        return self.mpu.get_model_parallel_rank() if self.mpu is not None else 0
+
+    def get_tensor_parallel_rank(self) -> int:
+        if self.mpu is None:
+            return 0
+        ask = getattr(self.mpu, "get_tensor_model_parallel_rank", None) or self.mpu.get_model_parallel_rank
+        return ask()
+
+    def get_sequence_parallel_group(self) -> Any:
+        raise not_built("get_sequence_parallel_group", "sequence parallelism (Ulysses)")
+
+    # ------------------------------------------------------------------------- config getters
+    def checkpoint_serialization_enabled(self) -> bool:
+        return bool(_setting(self.config.checkpoint, "checkpoint_serialization", True))
+
+    def checkpoint_writer_enabled(self) -> bool:
+        return _setting(self.config.checkpoint, "writer", None) is not None
+
+    def checkpoint_tag_validation_enabled(self) -> bool:
+        return self.config.checkpoint.tag_validation != "Ignore"
+
+    def checkpoint_tag_validation_fail(self) -> bool:
+        return self.config.checkpoint.tag_validation == "Fail"
+
+    def use_node_local_storage(self) -> bool:
+        return self.config.checkpoint.use_node_local_storage
+
+    def load_universal_checkpoint(self) -> bool:
+        return self.config.checkpoint.load_universal
+
+    def dataloader_drop_last(self) -> bool:
+        return self.config.dataloader_drop_last
+
+    def dump_state(self) -> bool:
+        return self.config.dump_state
+
+    def memory_breakdown(self) -> bool:
+        return False  # refused by the config when on
+
+    def log_level(self) -> str | None:
+        return _setting(self.config, "log_level", None)
+
+    def managed_gradient_accumulation(self) -> bool:
+        return bool(_setting(self.config, "managed_gradient_accumulation", True))
+
+    def postscale_gradients(self) -> bool:
+        return not self.config.prescale_gradients
+
+    def gradient_predivide_factor(self) -> float:
+        return self.config.gradient_predivide_factor
+
+    def get_data_types(self) -> tuple[torch.dtype, torch.dtype]:
+        """``(model dtype, gradient accumulation dtype)``."""
+        model = torch.float16 if self.fp16_enabled() else torch.bfloat16 if self.bfloat16_enabled() else torch.float32
+        accumulation = self.config.data_types.grad_accum_dtype
+        return model, (model if accumulation is None else _DTYPES[accumulation])
+
+    @staticmethod
+    def is_map_style_dataset(obj: Any) -> bool:
+        return hasattr(obj, "__getitem__") and hasattr(obj, "__len__")
+
+    @staticmethod
+    def is_iterable_style_dataset(obj: Any) -> bool:
+        return isinstance(obj, torch.utils.data.IterableDataset)
+
+    # precision
+    def fp16_master_weights_and_gradients(self) -> bool:
+        return self.config.fp16.fp16_master_weights_and_grads
+
+    def bf16_master_weights_and_gradients(self) -> bool:
+        return self.config.bf16.bf16_master_weights_and_grads
+
+    def bf16_optimizer_states(self) -> bool:
+        return self.config.bf16.bf16_optimizer_states
+
+    def fp16_auto_cast(self) -> bool:
+        return self.config.fp16.auto_cast
+
+    def loss_scale(self) -> float:
+        """The config's ``fp16.loss_scale`` (0: dynamic), as DeepSpeed's; the current scale is
+        ``engine.optimizer.loss_scale``."""
+        return self.config.fp16.loss_scale
+
+    def dynamic_loss_scale(self) -> bool:
+        return self.config.fp16.loss_scale == 0
+
+    def initial_dynamic_scale(self) -> float:
+        return 2 ** self.config.fp16.initial_scale_power
+
+    def dynamic_loss_scale_args(self) -> dict[str, Any]:
+        """DeepSpeed's dynamic loss scaler arguments, by its key names."""
+        fp16 = self.config.fp16
+        return {"init_scale": 2 ** fp16.initial_scale_power, "scale_window": fp16.loss_scale_window,
+                "delayed_shift": fp16.hysteresis, "consecutive_hysteresis": fp16.consecutive_hysteresis,
+                "min_scale": fp16.min_loss_scale}
+
+    def torch_autocast_enabled(self) -> bool:
+        return bool(_setting(_setting(self.config, "torch_autocast", None), "enabled", False))
+
+    def torch_autocast_dtype(self) -> torch.dtype | None:
+        name = _setting(_setting(self.config, "torch_autocast", None), "dtype", None)
+        return None if name is None else _DTYPES.get(name, getattr(torch, str(name), None))
+
+    def torch_autocast_lower_precision_safe_modules(self) -> list[str]:
+        """The config's ``torch_autocast.lower_precision_safe_modules``, else DeepSpeed's default classes."""
+        names = _setting(_setting(self.config, "torch_autocast", None), "lower_precision_safe_modules", None)
+        if names is not None:
+            return list(names)
+        return [f"{c.__module__}.{c.__name__}" for c in (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)]
+
+    # ZeRO (the zero_optimization section, ds-zero's model)
+    def zero_optimization(self) -> bool:
+        return self.config.zero_optimization.stage > 0
+
+    def zero_allow_untested_optimizer(self) -> bool:
+        return self.config.zero_allow_untested_optimizer
+
+    def zero_force_ds_cpu_optimizer(self) -> bool:
+        return self.config.zero_force_ds_cpu_optimizer
+
+    def _zero(self, key: str) -> Any:
+        return getattr(self.config.zero_optimization, key)
+
+    def zero_reduce_scatter(self) -> bool:
+        return self._zero("reduce_scatter")
+
+    def zero_overlap_comm(self) -> bool | None:
+        return self._zero("overlap_comm")
+
+    def zero_offload_optimizer(self) -> Any:
+        return self._zero("offload_optimizer")
+
+    def zero_offload_param(self) -> Any:
+        return self._zero("offload_param")
+
+    def zero_use_cpu_optimizer(self) -> bool:
+        offload = self._zero("offload_optimizer")
+        return offload is not None and offload.device in ("cpu", "nvme")
+
+    def zero_cpu_offload(self) -> bool:
+        offload = self._zero("offload_optimizer")
+        return offload is not None and offload.device == "cpu"
+
+    def zero_partial_offload(self) -> float:
+        return _setting(self._zero("offload_optimizer"), "ratio", 1.0)
+
+    def super_offload(self) -> bool:
+        return _setting(self._zero("offload_optimizer"), "super_offload", False)
+
+    def cpuadam_cores_perc(self) -> float:
+        return _setting(self._zero("offload_optimizer"), "cpuadam_cores_perc", 0.9)
+
+    def zero_nvme_offload_optimizer(self) -> bool:
+        offload = self._zero("offload_optimizer")
+        return offload is not None and offload.device == "nvme"
+
+    def zero_sub_group_size(self) -> int:
+        return self._zero("sub_group_size")
+
+    def zero_reduce_bucket_size(self) -> int:
+        return self._zero("reduce_bucket_size")
+
+    def zero_multi_rank_bucket_allreduce(self) -> bool:
+        return self._zero("use_multi_rank_bucket_allreduce")
+
+    def zero_allgather_bucket_size(self) -> int:
+        return self._zero("allgather_bucket_size")
+
+    def zero_compute_grad_norm(self) -> bool:
+        return self._zero("compute_grad_norm")
+
+    def zero_optimization_partition_gradients(self) -> bool:
+        return self.zero_optimization_stage() >= 2
+
+    def zero_optimization_partition_weights(self) -> bool:
+        return self.zero_optimization_stage() >= 3
+
+    def is_first_weights_partition_group(self) -> bool:
+        return self.zero_optimization_partition_weights()
+
+    def zero_contiguous_gradients(self) -> bool:
+        return self._zero("contiguous_gradients")
+
+    def zero_load_from_fp32_weights(self) -> bool:
+        return self._zero("load_from_fp32_weights")
+
+    def zero_elastic_checkpoint(self) -> bool:
+        return self._zero("elastic_checkpoint")
+
+    def zero_max_live_parameters(self) -> int:
+        return self._zero("max_live_parameters")
+
+    def zero_max_reuse_distance(self) -> int:
+        return self._zero("max_reuse_distance")
+
+    def zero_prefetch_bucket_size(self) -> int:
+        return self._zero("prefetch_bucket_size")
+
+    def zero_module_granularity_threshold(self) -> int:
+        return self._zero("module_granularity_threshold")
+
+    def zero_param_persistence_threshold(self) -> int:
+        return self._zero("param_persistence_threshold")
+
+    def zero_model_persistence_threshold(self) -> int:
+        return self._zero("model_persistence_threshold")
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        return self._zero("gather_16bit_weights_on_model_save")
+
+    def zero_legacy_stage1(self) -> bool:
+        return self._zero("legacy_stage1")
+
+    def zero_ignore_unused_parameters(self) -> bool:
+        return self._zero("ignore_unused_parameters")
+
+    def zero_save_muon_momentum_buffer_in_memory(self) -> bool:
+        return self._zero("save_muon_momentum_buffer_in_memory")
+
+    def zero_allgather_partitions(self) -> bool:
+        return self._zero("allgather_partitions")
+
+    def zero_round_robin_gradients(self) -> bool:
+        return self._zero("round_robin_gradients")
+
+    def zero_parameter_alignment(self) -> bool:
+        return self._zero("parameter_alignment")
+
+    def zero_hpz_partition_size(self) -> int:
+        return self._zero("zero_hpz_partition_size")
+
+    def zero_quantized_weights(self) -> bool:
+        return self._zero("zero_quantized_weights")
+
+    def zero_quantized_nontrainable_weights(self) -> bool:
+        return self._zero("zero_quantized_nontrainable_weights")
+
+    def zero_quantized_gradients(self) -> bool:
+        return self._zero("zero_quantized_gradients")
+
+    def zero_log_trace_cache_warnings(self) -> bool:
+        return self._zero("log_trace_cache_warnings")
+
+    def zero_allgather_sequential(self) -> bool:
+        return self._zero("allgather_sequential")
+
+    def is_sanity_checks_enabled(self) -> bool:
+        return self._zero("enable_sanity_checks")
+
+    def zenflow_config(self) -> Any:
+        return self._zero("zenflow")
+
+    def aio_config(self) -> Any:
+        return self.config.aio
+
+    def swap_tensor_config(self) -> Any:
+        raise NotImplementedError("engine.swap_tensor_config: DeepSpeed 0.19.8's own engine.swap_tensor_config() "
+                                  "fails (its config has no swap_tensor_config); the swap settings are "
+                                  "zero_offload_optimizer(), zero_offload_param() and aio_config()")
+
+    # the flops profiler (ds-profiler's section)
+    def flops_profiler_enabled(self) -> bool:
+        return self.config.flops_profiler.enabled
+
+    def flops_profiler_recompute_fwd_factor(self) -> float:
+        return self.config.flops_profiler.recompute_fwd_factor
+
+    def flops_profiler_profile_step(self) -> int:
+        return self.config.flops_profiler.profile_step
+
+    def flops_profiler_module_depth(self) -> int:
+        return self.config.flops_profiler.module_depth
+
+    def flops_profiler_top_modules(self) -> int:
+        return self.config.flops_profiler.top_modules
+
+    def flops_profiler_detailed(self) -> bool:
+        return self.config.flops_profiler.detailed
+
+    def flops_profiler_output_file(self) -> str | None:
+        return self.config.flops_profiler.output_file
+
+    # --------------------------------------------------- features ds has not built: off, or raise
+    def data_efficiency_enabled(self) -> bool:
+        return False
+
+    def data_sampling_enabled(self) -> bool:
+        return False
+
+    def curriculum_learning_enabled(self) -> bool:
+        return False
+
+    def random_ltd_enabled(self) -> bool:
+        return False
+
+    def data_efficiency_config(self) -> Any:
+        raise not_built("data_efficiency_config", "data efficiency (data_efficiency)")
+
+    def data_sampling_config(self) -> Any:
+        raise not_built("data_sampling_config", "data efficiency's data sampling")
+
+    def curriculum_learning_config(self) -> Any:
+        raise not_built("curriculum_learning_config", "curriculum learning")
+
+    def random_ltd_config(self) -> Any:
+        raise not_built("random_ltd_config", "random layer-token drop (random-LTD)")
+
+    def random_ltd_initialize(self) -> None:
+        raise not_built("random_ltd_initialize", "random layer-token drop (random-LTD)")
+
+    def set_data_post_process_func(self, post_process_func: Any) -> None:
+        raise not_built("set_data_post_process_func", "data efficiency's data loader (its post-process hook)")
+
+    def set_custom_curriculum_learning_schedule(self, schedule_func_dict: Any) -> None:
+        raise not_built("set_custom_curriculum_learning_schedule", "curriculum learning")
+
+    def print_forward_breakdown(self, fwd_time: float) -> None:
+        """The forward's time with its MoE parts (all 0 here: no MoE layers), logged on rank 0."""
+        if self.global_rank == 0:
+            logger.info("time (ms) | fwd: %.2f (fwd_moe: 0.00, 1st_a2a: 0.00, 2nd_a2a: 0.00, top_k: 0.00)", fwd_time)
+
+    def autotuning_enabled(self) -> bool:
+        return False
+
+    def autotuning_profile_model_info(self) -> bool:
+        return False
+
+    def autotuning_start_profile_step(self) -> int:
+        raise not_built("autotuning_start_profile_step", "autotuning")
+
+    def autotuning_end_profile_step(self) -> int:
+        raise not_built("autotuning_end_profile_step", "autotuning")
+
+    def autotuning_metric_path(self) -> str:
+        raise not_built("autotuning_metric_path", "autotuning")
+
+    def autotuning_model_info_path(self) -> str:
+        raise not_built("autotuning_model_info_path", "autotuning")
+
+    def autotuning_metric(self) -> str:
+        raise not_built("autotuning_metric", "autotuning")
+
+    def tensor_parallel_config(self) -> Any:
+        raise not_built("tensor_parallel_config", "AutoTP (tensor parallelism)")
+
+    def autotp_size(self) -> int:
+        return _setting(_setting(self.config, "tensor_parallel", None), "autotp_size", 0)
+
+    # DeepCompile and torch.compile
+    def _compile_passes(self) -> list[str]:
+        return list(_setting(_setting(self.config, "compile", None), "passes", None) or [])
+
+    def compile_zero_optimization_stage(self) -> bool:
+        return "z1" in self._compile_passes() or "z3" in self._compile_passes()
+
+    def compile_autosp(self) -> bool:
+        return "autosp" in self._compile_passes()
+
+    def compile_autotp(self) -> bool:
+        return "autotp" in self._compile_passes()
+
+    def uses_parallelization_pass_only(self) -> bool:
+        return self.compile_autosp() or self.compile_autotp()
+
+    def is_deepcompile_enabled(self) -> bool:
+        return bool(_setting(_setting(self.config, "compile", None), "deepcompile", False))
+
+    def is_deepcompile_active(self) -> bool:
+        return False
+
+    @property
+    def is_compiled(self) -> bool:
+        return False
+
+    def compile(self, *args: Any, **kwargs: Any) -> None:
+        raise not_built("compile", "compiling the engine (torch.compile through the engine, DeepCompile); compile "
+                        "the module before initialize instead")
+
+    def get_compile_time(self) -> Any:
+        raise not_built("get_compile_time", "DeepCompile")
+
+    def register_compile_pass(self, *args: Any, **kwargs: Any) -> None:
+        raise not_built("register_compile_pass", "DeepCompile")
+
+    def get_autosp_backend(self, *args: Any, **kwargs: Any) -> Any:
+        raise not_built("get_autosp_backend", "DeepCompile's AutoSP pass")
+
+    def get_autotp_backend(self, *args: Any, **kwargs: Any) -> Any:
+        raise not_built("get_autotp_backend", "DeepCompile's AutoTP pass")
+
+    def get_deepcompile_backend(self, *args: Any, **kwargs: Any) -> Any:
+        raise not_built("get_deepcompile_backend", "DeepCompile")
+
+    def get_deepspeed_compile_backend(self, *args: Any, **kwargs: Any) -> Any:
+        raise not_built("get_deepspeed_compile_backend", "DeepCompile")

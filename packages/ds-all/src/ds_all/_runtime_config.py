@@ -1,0 +1,117 @@
+"""Sections of DeepSpeed 0.19's config that belong to no package yet: ``torch_autocast``,
+``tensor_parallel``, ``compile``. Each key is DeepSpeed's; what ds-all does not build is accepted
+while off and refused, naming the key, when on (`Config` checks ``refusal()``)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from ds_config import Section
+from pydantic import Field, field_validator
+
+# DeepSpeed's DtypeEnum spellings (deepspeed.runtime.config), by torch dtype name
+DTYPE_NAMES = {
+    "float16": ("fp16", "float16", "half", "torch.float16"),
+    "float32": ("fp32", "float32", "float", "torch.float32"),
+    "bfloat16": ("bf16", "bfloat16", "torch.bfloat16"),
+    "int8": ("int8", "torch.int8"),
+}
+
+
+def dtype_name(value: str | None, key: str) -> str | None:
+    """The torch dtype name a DeepSpeed dtype spelling means ("bf16" -> "bfloat16"); None stays None."""
+    if value is None:
+        return None
+    for name, spellings in DTYPE_NAMES.items():
+        if value in spellings:
+            return name
+    allowed = ", ".join(repr(s) for spellings in DTYPE_NAMES.values() for s in spellings)
+    raise ValueError(f"{key} must be one of {allowed}, got {value!r}")
+
+
+class TorchAutocastConfig(Section):
+    """``torch_autocast``: the engine's forward under ``torch.autocast`` (the parameters stay as they are)."""
+
+    section = "torch_autocast"
+
+    enabled: bool = Field(False, description="Run the model's forward under torch.autocast.")
+    dtype: str | None = Field(None, description="The autocast dtype (\"bf16\", \"fp16\", ...; null: the "
+                              "device's default, bfloat16 on a CPU, float16 on a GPU).")
+    lower_precision_safe_modules: list[str] | None = Field(None, description="Classes (\"torch.nn.Linear\") whose "
+                                                           "gradients DeepSpeed reduces in the autocast dtype.")
+
+    @field_validator("dtype")
+    @classmethod
+    def _dtype(cls, value: str | None) -> str | None:
+        name = dtype_name(value, "torch_autocast.dtype")
+        if name not in (None, "float16", "bfloat16"):
+            raise ValueError(f"torch_autocast.dtype must be a 16-bit type (\"bf16\" or \"fp16\"), got {value!r}")
+        return value
+
+
+class TPConfig(Section):
+    """``tensor_parallel.tp`` (DeepSpeed's TPConfig)."""
+
+    tp_size: int = Field(1, ge=1, description="Ranks a tensor-parallel layer is split over.")
+    tp_grain_size: int = Field(1, ge=1, description="Split granularity of AutoTP's partitions.")
+
+
+class TensorParallelConfig(Section):
+    """``tensor_parallel``: DeepSpeed's AutoTP training (not built in ds-all yet: a size above 1 is refused)."""
+
+    section = "tensor_parallel"
+
+    autotp_size: int = Field(0, ge=0, description="AutoTP's tensor-parallel degree (0 or 1: off).")
+    dtype: str | None = Field(None, description="The dtype AutoTP converts the model to.")
+    tp_overlap_comm: bool = Field(False, description="Overlap AutoTP's all-reduce with computation.")
+    vocab_parallel_lm_head: bool | None = Field(None, description="Split the LM head over the vocabulary.")
+    vocab_parallel_ce_backend: Literal["torch", "liger"] = Field("torch", description="The vocabulary-parallel "
+                                                                  "cross-entropy's implementation.")
+    tensor_parallel: TPConfig = Field(default_factory=TPConfig, alias="tp", description="tp_size, tp_grain_size.")
+    injection_policy_tuple: list[Any] | None = Field(None, description="AutoTP's injection policy.")
+    partition_config: dict[str, Any] | None = Field(None, description="AutoTP's custom partition rules.")
+    preset_model: str | None = Field(None, description="A model family with a preset partition.")
+    keep_module_on_host: bool = Field(False, description="Keep the module on the host while partitioning.")
+    replace_with_kernel_inject: bool = Field(False, alias="kernel_inject", description="Inject inference kernels.")
+
+    @field_validator("dtype")
+    @classmethod
+    def _dtype(cls, value: str | None) -> str | None:
+        dtype_name(value, "tensor_parallel.dtype")
+        return value
+
+    def refusal(self) -> str | None:
+        size = max(self.autotp_size, self.tensor_parallel.tp_size)
+        if size > 1:
+            key = "autotp_size" if self.autotp_size > 1 else "tp.tp_size"
+            return f"tensor_parallel.{key} {size}: tensor parallelism (AutoTP)"
+        return None
+
+
+class CompileConfig(Section):
+    """``compile``: DeepSpeed's DeepCompile (not built: ``deepcompile: true`` is refused; the other keys
+    only tune it)."""
+
+    section = "compile"
+
+    deepcompile: bool = Field(False, description="DeepCompile's graph passes for ZeRO.")
+    autoep_non_moe: bool = Field(False, description="Compile the parents of AutoEP layers.")
+    free_activation: bool = Field(False, description="Free activations early.")
+    free_activation_threshold: int = Field(10 * 1024 * 1024, ge=0, description="Size above which activations are freed.")
+    offload_activation: bool = Field(False, description="Offload activations.")
+    offload_activation_pin_memory: bool = Field(True, description="Pinned activation buffers.")
+    offload_opt_states: bool = Field(False, description="Offload the optimizer states.")
+    double_buffer: bool = Field(True, description="Double-buffer the all-gathers.")
+    symmetric_memory: bool = Field(False, description="Symmetric memory for the all-gathers.")
+    debug_log: bool = Field(False, description="DeepCompile's debug log.")
+    offload_parameters: bool = Field(False, description="Offload the parameters.")
+    sync_before_reduce: bool = Field(False, description="Synchronize before reductions.")
+    sync_after_reduce: bool = Field(False, description="Synchronize after reductions.")
+    sync_before_allgather: bool = Field(False, description="Synchronize before all-gathers.")
+    sync_after_allgather: bool = Field(False, description="Synchronize after all-gathers.")
+    keep_int_input_tensors: bool = Field(True, description="Keep integer input tensors.")
+    keep_all_input_tensors: bool = Field(False, description="Keep every input tensor.")
+    passes: list[str] | None = Field(None, description="The passes to run.")
+
+    def refusal(self) -> str | None:
+        return "compile.deepcompile true: DeepCompile" if self.deepcompile else None

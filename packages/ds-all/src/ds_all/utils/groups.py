@@ -1,0 +1,258 @@
+"""DeepSpeed's ``deepspeed.utils.groups``: the process group, world size and rank of each kind of parallelism
+this rank takes part in, read from the model-parallel unit (``mpu``) the engine registers.
+
+``groups.mpu`` is the mpu: `ds_all.initialize` sets it to the one it was given, or to a PipelineModule's
+topology (a `ds_comm.Grid`); a script may set it itself, as with DeepSpeed (any object with Megatron's
+``get_data_parallel_group()``... methods). Without one, data parallelism is the whole world and every other
+kind has one rank. The functions need the process group (``ds_all.comm.init_distributed`` or
+``initialize``).
+
+* data parallel: ``get_data_parallel_group / _world_size / _rank`` (DeepSpeed's ``_get_data_parallel_*`` too);
+* model / tensor parallel: ``get_model_parallel_*``, ``get_tensor_model_parallel_*`` (with the setters of
+  the tensor-parallel size and rank, and ``get_tensor_model_parallel_src_rank``);
+* sequence parallel (Ulysses): ``get_sequence_parallel_*`` (one rank unless the mpu has more) and
+  ``get_sequence_data_parallel_*`` (the data-parallel ones unless the mpu has its own);
+* expert parallel (MoE): not built yet; the ``_get_expert_*`` functions raise NotImplementedError.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed
+
+import ds_comm
+
+# the model-parallel unit: set by ds_all.initialize (as DeepSpeed's engine does) or by the script
+mpu: Any = None
+
+# set_tensor_model_parallel_world_size / _rank: values that replace the mpu's
+_TENSOR_MODEL_PARALLEL_WORLD_SIZE: int | None = None
+_TENSOR_MODEL_PARALLEL_RANK: int | None = None
+
+_MOE_NOT_BUILT = ("expert-parallel groups belong to MoE (deepspeed.moe), which ds_all does not build yet; there "
+                  "are no expert groups to ask about")
+
+__all__ = ["get_data_parallel_group", "get_data_parallel_rank", "get_data_parallel_world_size",
+           "get_model_parallel_group", "get_model_parallel_rank", "get_model_parallel_world_size",
+           "get_sequence_data_parallel_group", "get_sequence_data_parallel_rank",
+           "get_sequence_data_parallel_world_size", "get_sequence_parallel_group", "get_sequence_parallel_rank",
+           "get_sequence_parallel_world_size", "get_tensor_model_parallel_group", "get_tensor_model_parallel_rank",
+           "get_tensor_model_parallel_src_rank", "get_tensor_model_parallel_world_size", "mpu",
+           "set_tensor_model_parallel_rank", "set_tensor_model_parallel_world_size"]
+
+
+def _require(what: str) -> None:
+    if not ds_comm.is_initialized():
+        raise RuntimeError(f"groups.{what}: no process group yet; call ds_all.comm.init_distributed() or "
+                           "ds_all.initialize() first")
+
+
+def _ask(name: str) -> Any:
+    """The mpu's method ``name``, or None when there is no mpu or it has no such method."""
+    return getattr(mpu, name, None) if mpu is not None else None
+
+
+def _group_or_error(group: Any, kind: str, why: str) -> Any:
+    if group is None:
+        raise RuntimeError(f"groups: there is no {kind} group to return: {why}")
+    return group
+
+
+# ---- data parallel ----
+
+def get_data_parallel_group():
+    """The group of this rank's data-parallel replicas: the mpu's, else the whole world."""
+    _require("get_data_parallel_group")
+    ask = _ask("get_data_parallel_group")
+    return ask() if ask is not None else torch.distributed.group.WORLD
+
+
+def get_data_parallel_world_size() -> int:
+    _require("get_data_parallel_world_size")
+    ask = _ask("get_data_parallel_world_size")
+    return ask() if ask is not None else ds_comm.get_world_size()
+
+
+def get_data_parallel_rank() -> int:
+    _require("get_data_parallel_rank")
+    ask = _ask("get_data_parallel_rank")
+    return ask() if ask is not None else ds_comm.get_rank()
+
+
+def _get_data_parallel_group_ranks() -> list[int]:
+    """The global ranks of this rank's data-parallel group."""
+    _require("_get_data_parallel_group_ranks")
+    ask = _ask("get_data_parallel_group_ranks")
+    if ask is not None:
+        return list(ask())
+    group = get_data_parallel_group()
+    return [ds_comm.get_global_rank(group, r) for r in range(ds_comm.get_world_size(group))]
+
+
+# ---- model / tensor parallel ----
+
+def get_model_parallel_world_size() -> int:
+    """The mpu's model-parallel world size; 1 without an mpu."""
+    _require("get_model_parallel_world_size")
+    ask = _ask("get_model_parallel_world_size")
+    return ask() if ask is not None else 1
+
+
+def get_model_parallel_rank() -> int:
+    _require("get_model_parallel_rank")
+    ask = _ask("get_model_parallel_rank")
+    return ask() if ask is not None else 0
+
+
+def get_model_parallel_group():
+    """The mpu's model-parallel group. RuntimeError when there is none (no mpu, or a topology without a
+    ``model`` axis): a group of this rank alone does not exist, and None would mean the whole world."""
+    _require("get_model_parallel_group")
+    ask = _ask("get_model_parallel_group")
+    why = "no mpu is registered (model-parallel world size 1)" if mpu is None else \
+        f"the mpu ({type(mpu).__name__}) has no model-parallel group (model-parallel world size 1)"
+    return _group_or_error(ask() if ask is not None else None, "model-parallel", why)
+
+
+def set_tensor_model_parallel_world_size(world_size: int | None) -> None:
+    """Replace the tensor-parallel world size the mpu gives (None: the mpu's again)."""
+    global _TENSOR_MODEL_PARALLEL_WORLD_SIZE
+    if world_size is not None and (isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1):
+        raise ValueError(f"set_tensor_model_parallel_world_size: world_size must be an integer >= 1 or None, "
+                         f"got {world_size!r}")
+    _TENSOR_MODEL_PARALLEL_WORLD_SIZE = world_size
+
+
+def set_tensor_model_parallel_rank(rank: int | None) -> None:
+    """Replace the tensor-parallel rank the mpu gives (None: the mpu's again)."""
+    global _TENSOR_MODEL_PARALLEL_RANK
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 0):
+        raise ValueError(f"set_tensor_model_parallel_rank: rank must be an integer >= 0 or None, got {rank!r}")
+    _TENSOR_MODEL_PARALLEL_RANK = rank
+
+
+def get_tensor_model_parallel_world_size() -> int:
+    """The size set by `set_tensor_model_parallel_world_size`, else the mpu's tensor- (or model-) parallel size."""
+    if _TENSOR_MODEL_PARALLEL_WORLD_SIZE is not None:
+        return _TENSOR_MODEL_PARALLEL_WORLD_SIZE
+    ask = _ask("get_tensor_model_parallel_world_size")
+    return ask() if ask is not None else get_model_parallel_world_size()
+
+
+def get_tensor_model_parallel_rank() -> int:
+    if _TENSOR_MODEL_PARALLEL_RANK is not None:
+        return _TENSOR_MODEL_PARALLEL_RANK
+    ask = _ask("get_tensor_model_parallel_rank")
+    return ask() if ask is not None else get_model_parallel_rank()
+
+
+def get_tensor_model_parallel_group():
+    ask = _ask("get_tensor_model_parallel_group")
+    return ask() if ask is not None else get_model_parallel_group()
+
+
+def get_tensor_model_parallel_src_rank() -> int:
+    """The global rank of the first rank of this rank's tensor-parallel group (neighbouring ranks)."""
+    _require("get_tensor_model_parallel_src_rank")
+    size = get_tensor_model_parallel_world_size()
+    return (ds_comm.get_rank() // size) * size
+
+
+# ---- sequence parallel ----
+
+def get_sequence_parallel_world_size() -> int:
+    """The mpu's sequence-parallel world size; 1 without one (sequence parallelism is not built)."""
+    _require("get_sequence_parallel_world_size")
+    ask = _ask("get_sequence_parallel_world_size")
+    return ask() if ask is not None else 1
+
+
+def get_sequence_parallel_rank() -> int:
+    ask = _ask("get_sequence_parallel_rank")
+    return ask() if ask is not None else 0
+
+
+def get_sequence_parallel_group():
+    ask = _ask("get_sequence_parallel_group")
+    return _group_or_error(ask() if ask is not None else None, "sequence-parallel",
+                           "the mpu has none (sequence-parallel world size 1)")
+
+
+def get_sequence_data_parallel_world_size() -> int:
+    """The mpu's sequence × data parallel world size, else the data-parallel one."""
+    ask = _ask("get_sequence_data_parallel_world_size")
+    return ask() if ask is not None else get_data_parallel_world_size()
+
+
+def get_sequence_data_parallel_rank() -> int:
+    ask = _ask("get_sequence_data_parallel_rank")
+    return ask() if ask is not None else get_data_parallel_rank()
+
+
+def get_sequence_data_parallel_group():
+    ask = _ask("get_sequence_data_parallel_group")
+    return ask() if ask is not None else get_data_parallel_group()
+
+
+def _get_broadcast_src_rank() -> int:
+    """The global rank of the first rank of this rank's sequence × data parallel group."""
+    _require("_get_broadcast_src_rank")
+    return ds_comm.get_global_rank(get_sequence_data_parallel_group(), 0)
+
+
+# ---- DeepSpeed's own (underscored) names of the same, which scripts call ----
+
+_get_data_parallel_group = get_data_parallel_group
+_get_data_parallel_world_size = get_data_parallel_world_size
+_get_data_parallel_rank = get_data_parallel_rank
+_get_model_parallel_world_size = get_model_parallel_world_size
+_get_sequence_parallel_world_size = get_sequence_parallel_world_size
+_get_sequence_parallel_rank = get_sequence_parallel_rank
+_get_sequence_parallel_group = get_sequence_parallel_group
+_get_sequence_data_parallel_world_size = get_sequence_data_parallel_world_size
+_get_sequence_data_parallel_rank = get_sequence_data_parallel_rank
+_get_sequence_data_parallel_group = get_sequence_data_parallel_group
+
+
+# ---- expert parallel (MoE): not built ----
+
+def _moe_not_built(name: str):
+    def not_built(*args: Any, **kwargs: Any):
+        raise NotImplementedError(f"groups.{name}: {_MOE_NOT_BUILT}")
+
+    not_built.__name__ = not_built.__qualname__ = name
+    not_built.__doc__ = f"DeepSpeed's ``groups.{name}`` (MoE): raises NotImplementedError, MoE is not built yet."
+    return not_built
+
+
+_create_expert_and_data_parallel = _moe_not_built("_create_expert_and_data_parallel")
+_create_expert_data_and_model_parallel = _moe_not_built("_create_expert_data_and_model_parallel")
+_get_max_expert_size = _moe_not_built("_get_max_expert_size")
+_get_max_expert_size_name = _moe_not_built("_get_max_expert_size_name")
+_get_max_expert_parallel_group = _moe_not_built("_get_max_expert_parallel_group")
+_get_expert_parallel_group = _moe_not_built("_get_expert_parallel_group")
+_get_expert_parallel_group_ranks = _moe_not_built("_get_expert_parallel_group_ranks")
+_get_expert_parallel_world_size = _moe_not_built("_get_expert_parallel_world_size")
+_get_expert_parallel_rank = _moe_not_built("_get_expert_parallel_rank")
+_get_expert_parallel_src_rank = _moe_not_built("_get_expert_parallel_src_rank")
+_get_expert_data_parallel_group = _moe_not_built("_get_expert_data_parallel_group")
+_get_expert_data_parallel_group_ranks = _moe_not_built("_get_expert_data_parallel_group_ranks")
+_get_expert_data_parallel_world_size = _moe_not_built("_get_expert_data_parallel_world_size")
+_get_expert_data_parallel_rank = _moe_not_built("_get_expert_data_parallel_rank")
+_get_expert_broadcast_src_rank = _moe_not_built("_get_expert_broadcast_src_rank")
+
+
+def _get_expert_parallel_group_dict() -> dict:
+    """The expert-parallel groups by name: none (MoE is not built)."""
+    return {}
+
+
+def _get_expert_data_parallel_group_dict() -> dict:
+    """The expert-data-parallel groups by name: none (MoE is not built)."""
+    return {}
+
+
+def _get_expert_model_parallel_world_size() -> int:
+    """The experts' tensor-parallel world size: 1, as DeepSpeed's without MoE."""
+    return 1

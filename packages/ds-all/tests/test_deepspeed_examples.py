@@ -1,0 +1,141 @@
+"""DeepSpeedExamples' training scripts run on ds with only their import changed (``import ds_all as deepspeed``),
+compared with the losses DeepSpeed 0.19.8 gave on the same data and seeds (fixtures next to each script, made
+with ``DS_EXAMPLE_BACKEND=deepspeed`` on a CPU with gloo; see each fixture's ``_about``). The scripts live under
+``deepspeed_examples/training/`` with the example's path; each one's docstring says what was adapted (data,
+device, steps) and nothing else. A run that does not yet give DeepSpeed's losses on ds is a strict ``xfail``
+whose reason names the difference, so the test fails once the difference is gone and the mark must go too.
+The tensor-parallel and variable-batch examples stop on ds: the tests check that they stop, naming what is
+missing."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+TRAINING = Path(__file__).parent / "deepspeed_examples" / "training"
+
+
+def _launch(tmp_path: Path, script: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict | None]:
+    """``ds-launch --num_procs 2 script args`` in ``tmp_path`` (the examples write logs and metrics to their
+    working directory); returns the run and rank 0's losses (None when it wrote none)."""
+    out = tmp_path / "losses.json"
+    env = {**{k: v for k, v in os.environ.items() if k != "DS_EXAMPLE_BACKEND"}, "DS_EXAMPLE_LOSSES": str(out)}
+    result = subprocess.run([sys.executable, "-m", "ds_launch", "--num_procs", "2", str(script), *args],
+                            capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    return result, json.loads(out.read_text()) if out.exists() else None
+
+
+def _run_example(tmp_path: Path, script: Path, *args: str) -> dict:
+    result, losses = _launch(tmp_path, script, *args)
+    assert result.returncode == 0 and losses is not None, result.stdout[-4000:] + result.stderr[-4000:]
+    return losses
+
+
+def _expected(fixture: Path, run: str) -> dict:
+    return json.loads(fixture.read_text())["runs"][run]
+
+
+def _one_bf16_step(value: float) -> float:
+    """The distance between neighbouring bfloat16 values at ``value`` (8 significant bits)."""
+    return 2.0 ** (math.floor(math.log2(abs(value))) - 7)
+
+
+# ------------------------------------------------------------------------------------ pipeline parallelism
+PIPELINE = TRAINING / "pipeline_parallelism"
+
+
+def test_pipeline_parallelism_example_runs_with_deepspeeds_losses(tmp_path):
+    """training/pipeline_parallelism/train.py: an AlexNet-shaped PipelineModule (dropout, a lambda layer,
+    partition_method "parameters") over 2 stages, the example's ds_config.json (256 samples a step in
+    micro-batches of 8: 32 micro-batches), ``engine.train_batch()``."""
+    expected = _expected(PIPELINE / "pipeline_losses.json", "p 2 steps 2")
+    got = _run_example(tmp_path, PIPELINE / "train.py", "--deepspeed_config", str(PIPELINE / "ds_config.json"),
+                       "-p", "2", "--steps", "2")
+    torch.testing.assert_close(torch.tensor(got["rank0"]), torch.tensor(expected["rank0"]), rtol=0, atol=1e-5)
+    assert got["lr"] == pytest.approx(expected["lr"], rel=1e-12)
+
+
+# ---------------------------------------------------------------------------------- bf16 master weights
+BF16 = TRAINING / "bf16_master_weight"
+BF16_ARGS = ("--hidden_dim", "32", "--num_layers", "2", "--num_heads", "4", "--vocab_size", "256", "--seq_length", "16",
+             "--batch_size", "4", "--num_steps", "6", "--warmup_steps", "1", "--log_interval", "1")
+
+
+def _bf16_run(tmp_path: Path, config: str) -> tuple[dict, dict]:
+    expected = _expected(BF16 / "bf16_master_weight_losses.json", config)
+    got = _run_example(tmp_path, BF16 / "train.py", "--deepspeed_config", str(BF16 / "configs" / f"{config}.json"),
+                       *BF16_ARGS)
+    assert got["lr"] == pytest.approx(expected["lr"], rel=1e-12)
+    return got, expected
+
+
+def test_bf16_master_weight_example_baseline_runs_with_deepspeeds_losses(tmp_path):
+    """training/bf16_master_weight/train.py with configs/baseline.json (bf16, ZeRO-3, AdamW, clipping), its
+    PyTorch-style ``loss.backward()`` then ``engine.step()``: each bf16 loss DeepSpeed's or one bf16 step away
+    (measured: equal at 3 of 6 steps, one step away at 3). Two differences make the steps: DeepSpeed's ZeRO-3
+    replaces torch.nn.functional.linear (memory_efficient_linear: matmul, then the bias added, two bf16
+    roundings for 3-d inputs) and its engine casts the model to bf16 before the fp32 master copy is taken
+    from it; ds keeps F.linear and takes the master from the fp32 weights. With both as DeepSpeed does, the
+    six losses are equal."""
+    got, expected = _bf16_run(tmp_path, "baseline")
+    for step, (mine, theirs) in enumerate(zip(got["rank0"], expected["rank0"], strict=True)):
+        assert abs(mine - theirs) <= _one_bf16_step(theirs), (step, got["rank0"], expected["rank0"])
+
+
+@pytest.mark.parametrize("config", ["bf16_master_wg", "bf16_full"])
+def test_bf16_master_weight_example_low_precision_runs_with_deepspeeds_losses(tmp_path, config):
+    """The example's low-precision configs: bf16 master weights and gradients (with ZeRO-Offload and CPU Adam,
+    which DeepSpeed requires when the optimizer states stay fp32; measured: 2 of 6 losses one bf16 step away),
+    and everything bf16 under torch_autocast (whose losses are fp32)."""
+    got, expected = _bf16_run(tmp_path, config)
+    for step, (mine, theirs) in enumerate(zip(got["rank0"], expected["rank0"], strict=True)):
+        assert abs(mine - theirs) <= _one_bf16_step(theirs), (step, got["rank0"], expected["rank0"])
+
+
+# ----------------------------------------------------------------------------------------- offload states
+OFFLOAD = TRAINING / "offload_states"
+@pytest.mark.parametrize("dtype", ["torch.float32", "torch.bfloat16"])
+def test_offload_states_example_runs_with_deepspeeds_losses(tmp_path, dtype):
+    """training/offload_states/offload_states.py: ZeRO-3 under zero.Init, ``offload_states()`` and
+    ``reload_states()`` around every step; the losses after each reload are DeepSpeed's (its memory
+    assertions need an accelerator and run only there)."""
+    expected = _expected(OFFLOAD / "offload_states_losses.json", dtype)
+    got = _run_example(tmp_path, OFFLOAD / "offload_states.py", "--hidden_dim", "32", "--nlayers", "2",
+                       "--iteration", "4", "--warmup", "1", "--dtype", dtype)
+    tolerance = 1e-5 if dtype == "torch.float32" else 0.0
+    torch.testing.assert_close(torch.tensor(got["rank0"]), torch.tensor(expected["rank0"]), rtol=0, atol=tolerance)
+    assert (tmp_path / "offload_states.log").exists()
+
+
+# ----------------------------------------------------------------------- features ds does not implement yet
+def test_autotp_example_stops_naming_tensor_parallelism(tmp_path):
+    """training/tensor_parallel/basic_example/autotp_example.py (a tiny Llama, tp 2): DeepSpeed trains it
+    (losses in autotp_losses.json); ds stops at initialize on the config's tensor_parallel section, saying
+    tensor parallelism is not implemented."""
+    pytest.importorskip("transformers")
+    result, losses = _launch(tmp_path, TRAINING / "tensor_parallel" / "basic_example" / "autotp_example.py",
+                             "--tp_size", "2", "--dp_size", "1", "--precision", "fp32", "--num_steps", "1",
+                             "--seq_length", "16")
+    output = result.stdout + result.stderr
+    assert result.returncode != 0 and losses is None, output[-4000:]
+    assert "tensor_parallel" in output and "not implemented" in output, output[-4000:]
+
+
+def test_variable_batch_example_stops_naming_the_data_pipeline(tmp_path):
+    """training/data_efficiency/variable_batch_size_and_lr/: ds does not build ``deepspeed.runtime.data_pipeline``
+    (variable batch size and LR, curriculum data sampling), so the script stops at its import with an ImportError
+    naming the feature.
+    (DeepSpeed 0.19.8 itself stops in this example on torch 2.13: its DataAnalyzer passes a numpy dtype to
+    torch.empty.)"""
+    result, losses = _launch(tmp_path, TRAINING / "data_efficiency" / "variable_batch_size_and_lr" /
+                             "variable_batch_size_and_lr_example.py")
+    output = result.stdout + result.stderr
+    assert result.returncode != 0 and losses is None, output[-4000:]
+    assert "variable batch size and learning rate) is not implemented in ds-all" in output, output[-4000:]
