@@ -34,7 +34,6 @@ import torch
 
 import ds_ops
 
-from ._reduction import _complete
 from .config import OffloadDeviceEnum, OffloadStateTypeEnum
 
 logger = logging.getLogger("ds_zero._optimizer")
@@ -155,13 +154,7 @@ class OffloadStates:
                                "(zero_optimization.offload_param); moving states is not supported with it (as in "
                                "DeepSpeed)")
         # reductions still in flight (between micro-steps at stages 2-3) finish first: they write the states
-        for pending in self._work:
-            _complete(*pending)
-        self._work.clear()
-        for which, pending in enumerate(self._buffer_work):
-            if pending is not None:
-                _complete(*pending)
-                self._buffer_work[which] = None
+        self._finish_in_flight()
 
     def _movable_states(self) -> list[OffloadStateTypeEnum]:
         states = list(OffloadStateTypeEnum)

@@ -62,6 +62,7 @@ from ._model import (
     unpartition,
     version,
 )
+from ._not_built import refuse_what_is_not_built
 from ._nvme import NvmeOptimizer
 from ._offload_states import OffloadStates
 from ._precision import (
@@ -87,18 +88,6 @@ logger = logging.getLogger(__name__)
 # ends). 4M float32 elements (16 MiB, near DDP's 25 MiB buckets) overlap reduction with backward and
 # keep stage 2's bucket buffers small; measured on the engine workload, see the README.
 OVERLAP_BUCKET_ELEMENTS = 1 << 22
-
-# Keys of zero_optimization this version accepts but cannot honour yet, and why.
-_NOT_YET = {
-    "zero_quantized_weights": (False, "ZeRO++ quantized weights"),
-    "zero_quantized_nontrainable_weights": (False, "ZeRO++ quantized weights"),
-    "zero_quantized_gradients": (False, "ZeRO++ quantized gradients"),
-    "mics_shard_size": (-1, "MiCS"),
-    "mics_hierarchical_params_gather": (False, "MiCS"),
-    "zenflow": (None, "ZenFlow"),
-    "legacy_stage1": (False, "DeepSpeed's legacy stage 1"),
-}
-
 
 class ZeroOptimizer(Reduction, State, OffloadStates, EngineCalls):
     """ZeRO stages 0-3 for ``model`` with ``optimizer`` (a class or a callable taking the list of
@@ -158,7 +147,7 @@ class ZeroOptimizer(Reduction, State, OffloadStates, EngineCalls):
                                       f"{version()}: the master copy is float32; remove the key")
         self.dtype = DTYPES[self.precision]
         self.communication_data_type = communication_dtype(communication_data_type, self.precision)
-        self._refuse_what_is_not_implemented()
+        refuse_what_is_not_built(self.config)
         if isinstance(gradient_clipping, bool) or not isinstance(gradient_clipping, (int, float)) \
                 or not math.isfinite(gradient_clipping) or gradient_clipping < 0:
             raise ValueError(f"gradient_clipping must be a number >= 0 (0: off), got {gradient_clipping!r}")
@@ -520,33 +509,6 @@ class ZeroOptimizer(Reduction, State, OffloadStates, EngineCalls):
             raise NotImplementedError(f"ZeroOptimizer.{what} with offload_optimizer.device 'nvme': its states are in "
                                       f"files under {self._nvme.directory}, larger than RAM may hold; use "
                                       "save_zero_checkpoint / load_zero_checkpoint, which stream them")
-
-    def _refuse_what_is_not_implemented(self) -> None:
-        config = self.config
-        if config.offload_param is not None and config.offload_param.device == "nvme" and \
-                (config.offload_optimizer is None or config.offload_optimizer.device != "nvme"):
-            raise NotImplementedError("zero_optimization.offload_param.device 'nvme' needs offload_optimizer.device "
-                                      f"'nvme' too in ds-zero {version()} (the optimizer step reads and writes the "
-                                      "parameters where they are)")
-        offload = config.offload_optimizer
-        if offload is not None and offload.device == "cpu" and offload.ratio != 1.0:
-            raise NotImplementedError(f"zero_optimization.offload_optimizer.ratio {offload.ratio:g} (partial offload) "
-                                      f"is not implemented in ds-zero {version()}; use 1.0")
-        if config.zero_hpz_partition_size > 1:
-            raise NotImplementedError(f"zero_optimization.zero_hpz_partition_size {config.zero_hpz_partition_size} "
-                                      "(ZeRO++ hierarchical partitioning) is not implemented in ds-zero; remove it or "
-                                      "set it to 1")
-        if offload is not None and offload.super_offload:
-            raise NotImplementedError("zero_optimization.offload_optimizer.super_offload (DeepSpeed's SuperOffload for "
-                                      f"Superchips) is not implemented in ds-zero {version()}; remove it or set it to "
-                                      "false")
-        for key, (default, what) in _NOT_YET.items():
-            if getattr(config, key) != default:
-                raise NotImplementedError(f"zero_optimization.{key} ({what}) is not implemented in ds-zero; "
-                                          f"remove it or set it to {default!r}")
-        if config.reduce_bucket_size == "auto":
-            raise ValueError('zero_optimization.reduce_bucket_size is "auto": resolve it to a number of '
-                             "elements first (the engine does this from the model)")
 
     def _step_position(self, bucket: int, offset: int) -> tuple[int, int]:
         """(index of the stepped tensor, offset in it) of element ``offset`` of ``bucket``'s stepped range."""

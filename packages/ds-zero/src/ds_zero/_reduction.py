@@ -152,6 +152,10 @@ class Reduction:
         if not self._boundary_reduced and self._average_now:  # a backward in which no hook ran
             self._reduce_leftovers()
         self._boundary_reduced = False
+        self._finish_in_flight()
+
+    def _finish_in_flight(self) -> None:
+        """Complete every reduction issued and not yet waited for."""
         for pending in self._work:
             _complete(*pending)
         self._work.clear()

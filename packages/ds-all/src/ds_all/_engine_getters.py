@@ -1,0 +1,419 @@
+"""DeepSpeed's ``DeepSpeedEngine`` configuration getters (``fp16_enabled()``, ``zero_optimization_stage()``,
+``train_micro_batch_size_per_gpu()``, ...), read from the `Config` and the parts the engine holds, and the
+calls of features ds-all has not built (MoE, data efficiency, autotuning, DeepCompile, AutoTP, sparse
+gradients): getters that say whether such a feature is on answer False (the config refuses it on), calls
+that would use it raise `NotImplementedError` naming it. A mixin of `EngineAPI` (``_engine_api.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+logger = logging.getLogger("ds_all")
+
+_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def _setting(section: Any, name: str, default: Any) -> Any:
+    """``section.name``, or DeepSpeed's default where ds's config has no such key (it is then at it)."""
+    return getattr(section, name, default) if section is not None else default
+
+
+def not_built(call: str, feature: str) -> NotImplementedError:
+    from . import __version__
+
+    return NotImplementedError(f"engine.{call}: {feature} is a DeepSpeed feature ds-all {__version__} has not built")
+
+
+class EngineGetters:
+    """DeepSpeed's configuration getters and the calls of features not built (see the module docstring)."""
+
+    # ------------------------------------------------------------------------- config getters
+    def checkpoint_serialization_enabled(self) -> bool:
+        return bool(_setting(self.config.checkpoint, "checkpoint_serialization", True))
+
+    def checkpoint_writer_enabled(self) -> bool:
+        return _setting(self.config.checkpoint, "writer", None) is not None
+
+    def checkpoint_tag_validation_enabled(self) -> bool:
+        return self.config.checkpoint.tag_validation != "Ignore"
+
+    def checkpoint_tag_validation_fail(self) -> bool:
+        return self.config.checkpoint.tag_validation == "Fail"
+
+    def use_node_local_storage(self) -> bool:
+        return self.config.checkpoint.use_node_local_storage
+
+    def load_universal_checkpoint(self) -> bool:
+        return self.config.checkpoint.load_universal
+
+    def dataloader_drop_last(self) -> bool:
+        return self.config.dataloader_drop_last
+
+    def dump_state(self) -> bool:
+        return self.config.dump_state
+
+    def memory_breakdown(self) -> bool:
+        return False  # refused by the config when on
+
+    def log_level(self) -> str | None:
+        return _setting(self.config, "log_level", None)
+
+    def managed_gradient_accumulation(self) -> bool:
+        return bool(_setting(self.config, "managed_gradient_accumulation", True))
+
+    def postscale_gradients(self) -> bool:
+        return not self.config.prescale_gradients
+
+    def gradient_predivide_factor(self) -> float:
+        return self.config.gradient_predivide_factor
+
+    def get_data_types(self) -> tuple[torch.dtype, torch.dtype]:
+        """``(model dtype, gradient accumulation dtype)``."""
+        model = torch.float16 if self.fp16_enabled() else torch.bfloat16 if self.bfloat16_enabled() else torch.float32
+        accumulation = self.config.data_types.grad_accum_dtype
+        return model, (model if accumulation is None else _DTYPES[accumulation])
+
+    @staticmethod
+    def is_map_style_dataset(obj: Any) -> bool:
+        return hasattr(obj, "__getitem__") and hasattr(obj, "__len__")
+
+    @staticmethod
+    def is_iterable_style_dataset(obj: Any) -> bool:
+        return isinstance(obj, torch.utils.data.IterableDataset)
+
+    # precision
+    def fp16_master_weights_and_gradients(self) -> bool:
+        return self.config.fp16.fp16_master_weights_and_grads
+
+    def bf16_master_weights_and_gradients(self) -> bool:
+        return self.config.bf16.bf16_master_weights_and_grads
+
+    def bf16_optimizer_states(self) -> bool:
+        return self.config.bf16.bf16_optimizer_states
+
+    def fp16_auto_cast(self) -> bool:
+        return self.config.fp16.auto_cast
+
+    def loss_scale(self) -> float:
+        """The config's ``fp16.loss_scale`` (0: dynamic), as DeepSpeed's; the current scale is
+        ``engine.optimizer.loss_scale``."""
+        return self.config.fp16.loss_scale
+
+    def dynamic_loss_scale(self) -> bool:
+        return self.config.fp16.loss_scale == 0
+
+    def initial_dynamic_scale(self) -> float:
+        return 2 ** self.config.fp16.initial_scale_power
+
+    def dynamic_loss_scale_args(self) -> dict[str, Any]:
+        """DeepSpeed's dynamic loss scaler arguments, by its key names."""
+        fp16 = self.config.fp16
+        return {"init_scale": 2 ** fp16.initial_scale_power, "scale_window": fp16.loss_scale_window,
+                "delayed_shift": fp16.hysteresis, "consecutive_hysteresis": fp16.consecutive_hysteresis,
+                "min_scale": fp16.min_loss_scale}
+
+    def torch_autocast_enabled(self) -> bool:
+        return bool(_setting(_setting(self.config, "torch_autocast", None), "enabled", False))
+
+    def torch_autocast_dtype(self) -> torch.dtype | None:
+        name = _setting(_setting(self.config, "torch_autocast", None), "dtype", None)
+        return None if name is None else _DTYPES.get(name, getattr(torch, str(name), None))
+
+    def torch_autocast_lower_precision_safe_modules(self) -> list[str]:
+        """The config's ``torch_autocast.lower_precision_safe_modules``, else DeepSpeed's default classes."""
+        names = _setting(_setting(self.config, "torch_autocast", None), "lower_precision_safe_modules", None)
+        if names is not None:
+            return list(names)
+        return [f"{c.__module__}.{c.__name__}" for c in (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)]
+
+    # ZeRO (the zero_optimization section, ds-zero's model)
+    def zero_optimization(self) -> bool:
+        return self.config.zero_optimization.stage > 0
+
+    def zero_allow_untested_optimizer(self) -> bool:
+        return self.config.zero_allow_untested_optimizer
+
+    def zero_force_ds_cpu_optimizer(self) -> bool:
+        return self.config.zero_force_ds_cpu_optimizer
+
+    def _zero(self, key: str) -> Any:
+        return getattr(self.config.zero_optimization, key)
+
+    def zero_reduce_scatter(self) -> bool:
+        return self._zero("reduce_scatter")
+
+    def zero_overlap_comm(self) -> bool | None:
+        return self._zero("overlap_comm")
+
+    def zero_offload_optimizer(self) -> Any:
+        return self._zero("offload_optimizer")
+
+    def zero_offload_param(self) -> Any:
+        return self._zero("offload_param")
+
+    def zero_use_cpu_optimizer(self) -> bool:
+        offload = self._zero("offload_optimizer")
+        return offload is not None and offload.device in ("cpu", "nvme")
+
+    def zero_cpu_offload(self) -> bool:
+        offload = self._zero("offload_optimizer")
+        return offload is not None and offload.device == "cpu"
+
+    def zero_partial_offload(self) -> float:
+        return _setting(self._zero("offload_optimizer"), "ratio", 1.0)
+
+    def super_offload(self) -> bool:
+        return _setting(self._zero("offload_optimizer"), "super_offload", False)
+
+    def cpuadam_cores_perc(self) -> float:
+        return _setting(self._zero("offload_optimizer"), "cpuadam_cores_perc", 0.9)
+
+    def zero_nvme_offload_optimizer(self) -> bool:
+        offload = self._zero("offload_optimizer")
+        return offload is not None and offload.device == "nvme"
+
+    def zero_sub_group_size(self) -> int:
+        return self._zero("sub_group_size")
+
+    def zero_reduce_bucket_size(self) -> int:
+        return self._zero("reduce_bucket_size")
+
+    def zero_multi_rank_bucket_allreduce(self) -> bool:
+        return self._zero("use_multi_rank_bucket_allreduce")
+
+    def zero_allgather_bucket_size(self) -> int:
+        return self._zero("allgather_bucket_size")
+
+    def zero_compute_grad_norm(self) -> bool:
+        return self._zero("compute_grad_norm")
+
+    def zero_optimization_partition_gradients(self) -> bool:
+        return self.zero_optimization_stage() >= 2
+
+    def zero_optimization_partition_weights(self) -> bool:
+        return self.zero_optimization_stage() >= 3
+
+    def is_first_weights_partition_group(self) -> bool:
+        return self.zero_optimization_partition_weights()
+
+    def zero_contiguous_gradients(self) -> bool:
+        return self._zero("contiguous_gradients")
+
+    def zero_load_from_fp32_weights(self) -> bool:
+        return self._zero("load_from_fp32_weights")
+
+    def zero_elastic_checkpoint(self) -> bool:
+        return self._zero("elastic_checkpoint")
+
+    def zero_max_live_parameters(self) -> int:
+        return self._zero("max_live_parameters")
+
+    def zero_max_reuse_distance(self) -> int:
+        return self._zero("max_reuse_distance")
+
+    def zero_prefetch_bucket_size(self) -> int:
+        return self._zero("prefetch_bucket_size")
+
+    def zero_module_granularity_threshold(self) -> int:
+        return self._zero("module_granularity_threshold")
+
+    def zero_param_persistence_threshold(self) -> int:
+        return self._zero("param_persistence_threshold")
+
+    def zero_model_persistence_threshold(self) -> int:
+        return self._zero("model_persistence_threshold")
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        return self._zero("gather_16bit_weights_on_model_save")
+
+    def zero_legacy_stage1(self) -> bool:
+        return self._zero("legacy_stage1")
+
+    def zero_ignore_unused_parameters(self) -> bool:
+        return self._zero("ignore_unused_parameters")
+
+    def zero_save_muon_momentum_buffer_in_memory(self) -> bool:
+        return self._zero("save_muon_momentum_buffer_in_memory")
+
+    def zero_allgather_partitions(self) -> bool:
+        return self._zero("allgather_partitions")
+
+    def zero_round_robin_gradients(self) -> bool:
+        return self._zero("round_robin_gradients")
+
+    def zero_parameter_alignment(self) -> bool:
+        return self._zero("parameter_alignment")
+
+    def zero_hpz_partition_size(self) -> int:
+        return self._zero("zero_hpz_partition_size")
+
+    def zero_quantized_weights(self) -> bool:
+        return self._zero("zero_quantized_weights")
+
+    def zero_quantized_nontrainable_weights(self) -> bool:
+        return self._zero("zero_quantized_nontrainable_weights")
+
+    def zero_quantized_gradients(self) -> bool:
+        return self._zero("zero_quantized_gradients")
+
+    def zero_log_trace_cache_warnings(self) -> bool:
+        return self._zero("log_trace_cache_warnings")
+
+    def zero_allgather_sequential(self) -> bool:
+        return self._zero("allgather_sequential")
+
+    def is_sanity_checks_enabled(self) -> bool:
+        return self._zero("enable_sanity_checks")
+
+    def zenflow_config(self) -> Any:
+        return self._zero("zenflow")
+
+    def aio_config(self) -> Any:
+        return self.config.aio
+
+    def swap_tensor_config(self) -> Any:
+        raise NotImplementedError("engine.swap_tensor_config: DeepSpeed 0.19.8's own engine.swap_tensor_config() "
+                                  "fails (its config has no swap_tensor_config); the swap settings are "
+                                  "zero_offload_optimizer(), zero_offload_param() and aio_config()")
+
+    # the flops profiler (ds-profiler's section)
+    def flops_profiler_enabled(self) -> bool:
+        return self.config.flops_profiler.enabled
+
+    def flops_profiler_recompute_fwd_factor(self) -> float:
+        return self.config.flops_profiler.recompute_fwd_factor
+
+    def flops_profiler_profile_step(self) -> int:
+        return self.config.flops_profiler.profile_step
+
+    def flops_profiler_module_depth(self) -> int:
+        return self.config.flops_profiler.module_depth
+
+    def flops_profiler_top_modules(self) -> int:
+        return self.config.flops_profiler.top_modules
+
+    def flops_profiler_detailed(self) -> bool:
+        return self.config.flops_profiler.detailed
+
+    def flops_profiler_output_file(self) -> str | None:
+        return self.config.flops_profiler.output_file
+
+    # --------------------------------------------------- features ds has not built: off, or raise
+    def data_efficiency_enabled(self) -> bool:
+        return False
+
+    def data_sampling_enabled(self) -> bool:
+        return False
+
+    def curriculum_learning_enabled(self) -> bool:
+        return False
+
+    def random_ltd_enabled(self) -> bool:
+        return False
+
+    def data_efficiency_config(self) -> Any:
+        raise not_built("data_efficiency_config", "data efficiency (data_efficiency)")
+
+    def data_sampling_config(self) -> Any:
+        raise not_built("data_sampling_config", "data efficiency's data sampling")
+
+    def curriculum_learning_config(self) -> Any:
+        raise not_built("curriculum_learning_config", "curriculum learning")
+
+    def random_ltd_config(self) -> Any:
+        raise not_built("random_ltd_config", "random layer-token drop (random-LTD)")
+
+    def random_ltd_initialize(self) -> None:
+        raise not_built("random_ltd_initialize", "random layer-token drop (random-LTD)")
+
+    def set_data_post_process_func(self, post_process_func: Any) -> None:
+        raise not_built("set_data_post_process_func", "data efficiency's data loader (its post-process hook)")
+
+    def set_custom_curriculum_learning_schedule(self, schedule_func_dict: Any) -> None:
+        raise not_built("set_custom_curriculum_learning_schedule", "curriculum learning")
+
+    def print_forward_breakdown(self, fwd_time: float) -> None:
+        """The forward's time with its MoE parts (all 0 here: no MoE layers), logged on rank 0."""
+        if self.global_rank == 0:
+            logger.info("time (ms) | fwd: %.2f (fwd_moe: 0.00, 1st_a2a: 0.00, 2nd_a2a: 0.00, top_k: 0.00)", fwd_time)
+
+    def autotuning_enabled(self) -> bool:
+        return False
+
+    def autotuning_profile_model_info(self) -> bool:
+        return False
+
+    def autotuning_start_profile_step(self) -> int:
+        raise not_built("autotuning_start_profile_step", "autotuning")
+
+    def autotuning_end_profile_step(self) -> int:
+        raise not_built("autotuning_end_profile_step", "autotuning")
+
+    def autotuning_metric_path(self) -> str:
+        raise not_built("autotuning_metric_path", "autotuning")
+
+    def autotuning_model_info_path(self) -> str:
+        raise not_built("autotuning_model_info_path", "autotuning")
+
+    def autotuning_metric(self) -> str:
+        raise not_built("autotuning_metric", "autotuning")
+
+    def tensor_parallel_config(self) -> Any:
+        raise not_built("tensor_parallel_config", "AutoTP (tensor parallelism)")
+
+    def autotp_size(self) -> int:
+        return _setting(_setting(self.config, "tensor_parallel", None), "autotp_size", 0)
+
+    # DeepCompile and torch.compile
+    def _compile_passes(self) -> list[str]:
+        return list(_setting(_setting(self.config, "compile", None), "passes", None) or [])
+
+    def compile_zero_optimization_stage(self) -> bool:
+        return "z1" in self._compile_passes() or "z3" in self._compile_passes()
+
+    def compile_autosp(self) -> bool:
+        return "autosp" in self._compile_passes()
+
+    def compile_autotp(self) -> bool:
+        return "autotp" in self._compile_passes()
+
+    def uses_parallelization_pass_only(self) -> bool:
+        return self.compile_autosp() or self.compile_autotp()
+
+    def is_deepcompile_enabled(self) -> bool:
+        return bool(_setting(_setting(self.config, "compile", None), "deepcompile", False))
+
+    def is_deepcompile_active(self) -> bool:
+        return False
+
+    @property
+    def is_compiled(self) -> bool:
+        return False
+
+    def compile(self, *args: Any, **kwargs: Any) -> None:
+        raise not_built("compile", "compiling the engine (torch.compile through the engine, DeepCompile); compile "
+                        "the module before initialize instead")
+
+    def get_compile_time(self) -> Any:
+        raise not_built("get_compile_time", "DeepCompile")
+
+    def register_compile_pass(self, *args: Any, **kwargs: Any) -> None:
+        raise not_built("register_compile_pass", "DeepCompile")
+
+    def get_autosp_backend(self, *args: Any, **kwargs: Any) -> Any:
+        raise not_built("get_autosp_backend", "DeepCompile's AutoSP pass")
+
+    def get_autotp_backend(self, *args: Any, **kwargs: Any) -> Any:
+        raise not_built("get_autotp_backend", "DeepCompile's AutoTP pass")
+
+    def get_deepcompile_backend(self, *args: Any, **kwargs: Any) -> Any:
+        raise not_built("get_deepcompile_backend", "DeepCompile")
+
+    def get_deepspeed_compile_backend(self, *args: Any, **kwargs: Any) -> Any:
+        raise not_built("get_deepspeed_compile_backend", "DeepCompile")
+
