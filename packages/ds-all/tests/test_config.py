@@ -153,3 +153,15 @@ def test_the_readme_config_example_prints_what_it_says(capsys):
     block = re.findall(r"```python\n(.*?)```", readme.split("## Config", 1)[1], re.S)[0]
     exec(compile(block, "README.md", "exec", dont_inherit=True), {})
     assert capsys.readouterr().out == "(32, 4, 4) 2\n"
+
+
+def test_integers_0_and_1_are_booleans_as_deepspeed_reads_them():
+    # DeepSpeed's ZeRO tests write "zero_allow_untested_optimizer": 1
+    cfg = Config.load({"train_batch_size": 2, "zero_allow_untested_optimizer": 1,
+                       "fp16": {"enabled": 0}, "bf16": {"enabled": 1},
+                       "zero_optimization": {"stage": 1, "contiguous_gradients": 0}})
+    assert cfg.zero_allow_untested_optimizer is True
+    assert cfg.fp16.enabled is False and cfg.bf16.enabled is True
+    assert cfg.zero_optimization.contiguous_gradients is False and cfg.zero_optimization.stage == 1
+    with pytest.raises(ConfigError, match="zero_allow_untested_optimizer: must be true or false, got 2"):
+        Config.load({"train_batch_size": 2, "zero_allow_untested_optimizer": 2})

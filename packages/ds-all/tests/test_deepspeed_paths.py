@@ -37,6 +37,8 @@ PATHS = [
     ("ds_all.runtime.zero", "Init", ds_zero.Init),
     ("ds_all.runtime.zero.offload_config", "OffloadDeviceEnum", ds_zero.OffloadDeviceEnum),
     ("ds_all.runtime.zero.offload_config", "OffloadStateTypeEnum", ds_zero.OffloadStateTypeEnum),
+    ("ds_all.runtime.zero.utils", "ZeRORuntimeException", ds_zero.ZeRORuntimeException),
+    ("ds_all.runtime.bf16_optimizer", "BF16_Optimizer", ds_zero.ZeroOptimizer),
     ("ds_all.ops.adam", "DeepSpeedCPUAdam", ds_ops.CPUAdam),
     ("ds_all.ops.adam", "FusedAdam", ds_ops.FusedAdam),
     ("ds_all.ops.adagrad", "DeepSpeedCPUAdagrad", ds_ops.CPUAdagrad),

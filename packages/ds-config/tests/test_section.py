@@ -52,7 +52,9 @@ def _error(call, *args, **kwargs) -> str:
     ({"stage": 2.5}, "zero_optimization.stage: must be an integer, got 2.5"),
     ({"stage": float("inf")}, "zero_optimization.stage: must be an integer, got inf"),
     ({"bucket": "x"}, "zero_optimization.bucket: must be an integer or 'auto', got 'x'"),
-    ({"offload_optimizer": {"pin_memory": 1}}, "zero_optimization.offload_optimizer.pin_memory: must be true or false, got 1"),
+    ({"offload_optimizer": {"pin_memory": 2}}, "zero_optimization.offload_optimizer.pin_memory: must be true or false, got 2"),
+    ({"offload_optimizer": {"pin_memory": -1}}, "zero_optimization.offload_optimizer.pin_memory: must be true or false, got -1"),
+    ({"offload_optimizer": {"pin_memory": 1.0}}, "zero_optimization.offload_optimizer.pin_memory: must be true or false, got 1.0"),
     ({"offload_optimizer": {"pin_memory": "yes"}}, "zero_optimization.offload_optimizer.pin_memory: must be true or false, got 'yes'"),
     ({"offload_optimizer": {"ratio": "0.5"}}, "zero_optimization.offload_optimizer.ratio: must be a number, got '0.5'"),
     ({"offload_optimizer": {"ratio": False}}, "zero_optimization.offload_optimizer.ratio: must be a number, got False"),
@@ -96,6 +98,23 @@ def test_json_leniency_integral_floats_boolean_strings_and_tuples():
 
     assert Switch(on="true").on is True and Switch(on="auto").on == "auto"
     assert Switch(mode="true").mode == "true" and Switch(mode=True).mode is True
+
+
+def test_integers_0_and_1_are_booleans_where_only_a_boolean_fits():
+    # DeepSpeed reads "zero_allow_untested_optimizer": 1 as true (non-strict pydantic, get_scalar_param)
+    z = Zero(offload_optimizer={"pin_memory": 1}, groups={"a": {"pin_memory": 0}})
+    assert z.offload_optimizer.pin_memory is True and z.groups["a"].pin_memory is False
+    assert Zero.model_validate({"layers": [{"pin_memory": 1}]}).layers[0].pin_memory is True
+    # where an integer or a number also fits, 1 stays the integer
+    assert Zero(stage=1).stage == 1 and type(Zero(stage=1).stage) is int
+    assert Zero(offload_optimizer={"ratio": 1}).offload_optimizer.ratio == 1.0
+
+    class Mixed(Section):
+        flag: bool | int = Field(False, description="A boolean or a count.")
+        on: bool | Literal["auto"] = Field(False, description="A boolean or 'auto'.")
+
+    assert Mixed(flag=1).flag == 1 and type(Mixed(flag=1).flag) is int
+    assert Mixed(on=1).on is True and Mixed(on=0).on is False
 
 
 def test_alias_and_name_both_accepted_and_models_are_frozen():

@@ -52,7 +52,7 @@ def test_numbers_written_as_floats_are_integers():
     ({"top_modules": 2.5}, "must be an integer, got 2.5"),
     ({"top_modules": True}, "must be an integer, got True"),
     ({"enabled": "yes"}, "flops_profiler.enabled: must be true or false, got 'yes'"),
-    ({"enabled": 1}, "flops_profiler.enabled: must be true or false, got 1"),
+    ({"enabled": 2}, "flops_profiler.enabled: must be true or false, got 2"),
     ({"profile_step": "3"}, "flops_profiler.profile_step: must be an integer, got '3'"),
     ({"recompute_fwd_factor": True}, "flops_profiler.recompute_fwd_factor: must be a number, got True"),
     ({"recompute_fwd_factor": "0.5"}, "flops_profiler.recompute_fwd_factor: must be a number, got '0.5'"),

@@ -15,7 +15,9 @@ import torch
 def _groups(model_parameters: Any) -> list[dict[str, Any]]:
     items = list(model_parameters)
     if items and all(isinstance(item, dict) for item in items):
-        return [dict(item, params=list(item["params"])) for item in items]
+        groups = [dict(item, params=[item["params"]] if torch.is_tensor(item["params"]) else list(item["params"]))
+                  for item in items]
+        return [group for group in groups if group["params"]]  # DeepSpeed drops the empty groups
     if all(isinstance(item, torch.Tensor) for item in items):
         return [{"params": items}]
     if all(isinstance(item, tuple) and len(item) == 2 for item in items):  # named_parameters()
@@ -29,11 +31,12 @@ def _check_groups(groups: list[dict[str, Any]], trainable: list[torch.Tensor], w
     defaults apply), else ``groups``."""
     given = {id(p) for group in groups for p in group["params"]}
     wanted = {id(p) for p in trainable}
-    if given != wanted:
+    if not given <= wanted or not given:
         raise ValueError(f"initialize: {what} hold {len(given & wanted)} of the model's {len(wanted)} trainable "
-                         f"parameters and {len(given - wanted)} others; ZeRO optimizes exactly the trainable "
-                         "parameters (requires_grad=True): freeze the others with requires_grad_(False)")
-    if len(groups) == 1 and set(groups[0]) == {"params"}:
+                         f"parameters and {len(given - wanted)} others; ZeRO optimizes trainable parameters of the "
+                         "model (requires_grad=True) only, and at least one")
+    # a trainable parameter in no group is not optimized (it keeps its value), as in DeepSpeed
+    if len(groups) == 1 and set(groups[0]) == {"params"} and given == wanted:
         return None
     return groups
 
@@ -51,9 +54,10 @@ def rebinder(optimizer: torch.optim.Optimizer, trainable: list[torch.Tensor]
     and the groups to give ZeRO (None for one group)."""
     if optimizer.state:
         raise ValueError("initialize: the optimizer has state already (it was stepped); pass a fresh optimizer")
-    groups = [dict(group) for group in optimizer.param_groups]
-    zero_groups = groups if len(groups) > 1 else None
+    groups = [dict(group) for group in optimizer.param_groups if group["params"]]  # DeepSpeed drops empty ones
     _check_groups(groups, trainable, "the optimizer's parameter groups")
+    covered = sum(len(group["params"]) for group in groups)
+    zero_groups = groups if len(groups) > 1 or covered < len(trainable) else None
     options = {k: v for k, v in groups[0].items() if k != "params"}
 
     def rebind(tensors: list[Any]) -> torch.optim.Optimizer:

@@ -23,7 +23,7 @@ from torch import nn
 
 import ds_comm
 from ds_profiler import FlopsProfiler
-from ds_zero import ZeroOptimizer
+from ds_zero import ZeroInference, ZeroOptimizer
 
 from . import _checkpoint, _client, _data, checkpointing
 from ._engine_api import EngineAPI
@@ -89,7 +89,8 @@ class DeepSpeedEngine(EngineAPI, nn.Module):
         self._pending_save: Any = None  # an asynchronous save still writing
         self._writer_group: Any = None  # the process group of its background collectives
         self.optimizer: Any = None
-        one_bit = ONE_BIT.get(config.optimizer.type.lower()) if config.optimizer is not None else None
+        one_bit = ONE_BIT.get(config.optimizer.type.lower()) \
+            if config.optimizer is not None and optimizer is None else None
         if one_bit is not None and config.zero_optimization.stage != 0:
             raise ValueError(f"initialize: optimizer.type {one_bit} runs with zero_optimization.stage 0 only (as "
                              f"DeepSpeed's 1-bit optimizers), got stage {config.zero_optimization.stage}: its 1-bit "
@@ -101,6 +102,12 @@ class DeepSpeedEngine(EngineAPI, nn.Module):
                 gradient_clipping=config.gradient_clipping,
                 communication_data_type=config.communication_data_type, group=self.data_parallel_group,
                 aio=config.aio, param_groups=groups, **self._zero_options())
+        # stage 3 without an optimizer (evaluation): the parameters partitioned, gathered around each module's
+        # forward (DeepSpeed's DeepSpeedZeRoOffload); backward and step refuse (no optimizer)
+        self._zero_inference: ZeroInference | None = None
+        if factory is None and config.zero_optimization.stage == 3:
+            self._zero_inference = ZeroInference(model, config=config.zero_optimization, fp16=config.fp16,
+                                                 bf16=config.bf16, group=self.data_parallel_group)
         try:  # what fails from here leaves no ZeRO hook on the caller's model
             self.lr_scheduler = self._scheduler(lr_scheduler)
             self.training_dataloader = self._training_loader(training_data, collate_fn) \
@@ -114,6 +121,8 @@ class DeepSpeedEngine(EngineAPI, nn.Module):
         except BaseException:
             if self.zero is not None:
                 self.zero.close()
+            if self._zero_inference is not None:
+                self._zero_inference.close()
             raise
         self._autocast = self._autocast_context()
         self._gc_disabled = _python_gc_disable() if config.disable_python_gc else False
@@ -161,10 +170,13 @@ class DeepSpeedEngine(EngineAPI, nn.Module):
         groups = None
         if model_parameters is not None:
             groups = _client.model_parameter_groups(model_parameters, trainable)
+        if optimizer is not None and self.config.optimizer is not None and self.global_rank == 0 and \
+                (isinstance(optimizer, torch.optim.Optimizer) or callable(optimizer)):
+            # DeepSpeed's _configure_optimizer: the client's optimizer overrides the config's section
+            logger.warning("initialize: using the optimizer passed (%s) rather than the config's 'optimizer' "
+                           "section (type %r)", getattr(optimizer, "__name__", type(optimizer).__name__),
+                           self.config.optimizer.type)
         if isinstance(optimizer, torch.optim.Optimizer):
-            if self.config.optimizer is not None:
-                raise ValueError("initialize: an optimizer was passed and the config has an 'optimizer' section; "
-                                 "keep one of them")
             return _client.rebinder(optimizer, trainable)
         if optimizer is not None:
             if not callable(optimizer):
@@ -180,9 +192,11 @@ class DeepSpeedEngine(EngineAPI, nn.Module):
         return (lambda params: build_optimizer(section, params, offload=offload, bf16_states=bf16_states)), groups
 
     def _scheduler(self, lr_scheduler: Any) -> Any:
-        if lr_scheduler is not None and self.config.scheduler.type is not None:
-            raise ValueError("initialize: an lr_scheduler was passed and the config has a 'scheduler' section; "
-                             "keep one of them")
+        if lr_scheduler is not None and self.config.scheduler.type is not None and self.global_rank == 0:
+            # DeepSpeed's _configure_lr_scheduler: the client's schedule overrides the config's section
+            logger.warning("initialize: using the lr_scheduler passed (%s) rather than the config's 'scheduler' "
+                           "section (type %r)", getattr(lr_scheduler, "__name__", type(lr_scheduler).__name__),
+                           self.config.scheduler.type)
         if self.optimizer is None:
             if lr_scheduler is not None or self.config.scheduler.type is not None:
                 raise ValueError("initialize: a learning-rate schedule needs an optimizer (pass optimizer= or give "
@@ -418,8 +432,9 @@ class DeepSpeedEngine(EngineAPI, nn.Module):
                            "zero_optimization.stage3_gather_16bit_weights_on_model_save is false (set it true to "
                            "gather them on rank 0 when saving)")
             return False
-        if self.zero is not None:
-            state = self.zero.full_state_dict()
+        partitioned = self.zero if self.zero is not None else self._zero_inference
+        if partitioned is not None:
+            state = partitioned.full_state_dict()
         else:
             state = {k: v.detach().clone() for k, v in self.module.state_dict().items()} if self.global_rank == 0 \
                 else {}
@@ -452,6 +467,9 @@ class DeepSpeedEngine(EngineAPI, nn.Module):
         if self.zero is not None:
             self.wait_checkpoint()
             self.zero.close()
+        if self._zero_inference is not None:  # every parameter whole again (a collective)
+            self._zero_inference.close()
+            self._zero_inference = None
         if self._writer_group is not None:
             torch.distributed.destroy_process_group(self._writer_group)
             self._writer_group = None

@@ -30,6 +30,21 @@ logger = logging.getLogger("ds_all")
 class EngineAPI(EngineGetters):
     """DeepSpeed's engine methods beyond the training loop (see the module docstring)."""
 
+    def __getattr__(self, name: str) -> Any:
+        """What the engine lacks is read from the wrapped model (``engine.some_model_attribute``), as
+        DeepSpeed's engine passes attribute reads through to ``self.module``."""
+        try:
+            return super().__getattr__(name)  # nn.Module's: parameters, buffers, submodules
+        except AttributeError:
+            modules = self.__dict__.get("_modules")  # absent before nn.Module.__init__: no recursion
+            module = modules.get("module") if modules is not None else None
+            if module is not None:
+                try:
+                    return getattr(module, name)
+                except AttributeError:
+                    pass
+        raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
+
     # The instance attributes DeepSpeed's engine sets that ds has values for (``__init__`` calls this).
     def _init_api_attributes(self, optimizer: Any, lr_scheduler: Any, training_data: Any, collate_fn: Any) -> None:
         self.client_optimizer, self.client_lr_scheduler = optimizer, lr_scheduler
@@ -134,8 +149,10 @@ class EngineAPI(EngineGetters):
 
     def empty_partition_cache(self) -> None:
         """Stage 3: give back the memory of gathered parameters (they are gathered again when used)."""
-        if self.zero is not None and self.zero.stage == 3:
-            self.zero.empty_partition_cache()
+        partitioned = self.zero if self.zero is not None and self.zero.stage == 3 else \
+            getattr(self, "_zero_inference", None)  # stage 3 without an optimizer
+        if partitioned is not None:
+            partitioned.empty_partition_cache()
             gc.collect()
             ds_ops.get_accelerator().empty_cache()
 

@@ -47,7 +47,8 @@ class PipelineEngine(DeepSpeedEngine):
         if config.zero_optimization.stage > 2:
             raise ValueError(f"initialize: a PipelineModule trains with zero_optimization.stage 0, 1 or 2, got "
                              f"{config.zero_optimization.stage} (stage 3 partitions the layers a stage owns whole)")
-        one_bit = ONE_BIT.get(config.optimizer.type.lower()) if config.optimizer is not None else None
+        one_bit = ONE_BIT.get(config.optimizer.type.lower()) \
+            if config.optimizer is not None and kwargs.get("optimizer") is None else None
         if one_bit is not None:
             raise ValueError(f"initialize: optimizer.type {one_bit} does not train a PipelineModule (as in the "
                              "reference): its 1-bit messages replace the data-parallel all-reduce of a plain engine; "

@@ -115,8 +115,9 @@ def _members(annotation: Any) -> list[Any]:
 
 def _json_policy(annotation: Any, value: Any) -> Any:
     """The one leniency of ds configs over pydantic's strict mode: ``5e8`` is an integer where only an
-    integer fits, the strings "true"/"false" (which DeepSpeed's tools write) are booleans where only a
-    boolean fits, and a tuple is a list. Everything else is validated strictly."""
+    integer fits, the strings "true"/"false" (which DeepSpeed's tools write) and the integers 0 and 1 (which
+    DeepSpeed reads as booleans: ``"zero_allow_untested_optimizer": 1``) are booleans where only a boolean
+    fits, and a tuple is a list. Everything else is validated strictly."""
     kinds: set[type] = set()
     choices: set[Any] = set()
     items = None
@@ -134,6 +135,9 @@ def _json_policy(annotation: Any, value: Any) -> Any:
     if (isinstance(value, str) and value.lower() in ("true", "false") and bool in kinds and str not in kinds
             and value not in choices):
         return value.lower() == "true"
+    if (type(value) is int and value in (0, 1) and bool in kinds and int not in kinds and float not in kinds
+            and value not in choices):
+        return bool(value)
     if isinstance(value, tuple) and list in kinds:
         value = list(value)
     if isinstance(value, list) and items is not None:

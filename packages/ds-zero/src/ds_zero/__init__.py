@@ -6,13 +6,15 @@
 
 Stages 0-3 in float32, fp16 (loss scaling) and bf16 with a float32 master copy (or none: bf16 master
 weights, stages 1-3), CPU offload of the optimizer (ZeRO-Offload); at stage 3 `Init` builds a model
-already partitioned and `GatheredParameters` makes parameters whole for a while; optimizer states and
-parameters on NVMe (ZeRO-Infinity). `OneBitAdam`, `ZeroOneAdam` and `OneBitLamb` (stage 0) send 1-bit compressed messages after warm-up.
+already partitioned, `GatheredParameters` makes parameters whole for a while and `ZeroInference`
+partitions a model for evaluation without an optimizer; optimizer states and parameters on NVMe
+(ZeRO-Infinity). `OneBitAdam`, `ZeroOneAdam` and `OneBitLamb` (stage 0) send 1-bit compressed messages after warm-up.
 `DynamicLossScaler`, `LossScaler` and `CreateLossScaler` are DeepSpeed's loss-scaler objects for loops that
 scale an fp16 loss by hand.
 """
 
 from ._checkpoint import SafeReader, load_zero_checkpoint, read_zero_metadata, save_zero_checkpoint
+from ._errors import ZeRORuntimeException
 from ._estimate import (
                         estimate_zero2_model_states_mem_needs_all_cold,
                         estimate_zero2_model_states_mem_needs_all_live,
@@ -21,6 +23,7 @@ from ._estimate import (
                         estimate_zero_model_states_mem_needs,
 )
 from ._export import get_fp32_state_dict_from_zero_checkpoint, load_state_dict_from_zero_checkpoint
+from ._inference import ZeroInference
 from ._init import (
                         GatheredParameters,
                         Init,
@@ -45,7 +48,7 @@ __version__ = "0.1.0"
 __all__ = ["BF16Config", "CreateLossScaler", "DynamicLossScaler", "FP16Config", "GatheredParameters", "Init",
            "LossScaler", "LossScalerBase", "OffloadDeviceEnum", "OffloadOptimizerConfig", "OffloadParamConfig",
            "OffloadStateTypeEnum", "OneBitAdam", "OneBitLamb", "SafeReader",
-           "ZeroConfig", "ZeroOneAdam",
+           "ZeRORuntimeException", "ZeroConfig", "ZeroInference", "ZeroOneAdam",
            "ZeroOptimizer", "__version__", "estimate_zero2_model_states_mem_needs_all_cold",
            "estimate_zero2_model_states_mem_needs_all_live", "estimate_zero3_model_states_mem_needs_all_cold",
            "estimate_zero3_model_states_mem_needs_all_live", "estimate_zero_model_states_mem_needs",

@@ -11,6 +11,29 @@ import gc
 class EngineCalls:
     """See the module docstring."""
 
+    @property
+    def fp16_groups(self) -> list[list]:
+        """The model's parameters this optimizer trains, one list per parameter group in the groups'
+        order (DeepSpeed's ZeRO optimizers' ``fp16_groups``/``bit16_groups``: the parameters whatever their
+        dtype; at stage 3 they are the partitioned parameters, made whole by `GatheredParameters`).
+        Read-only: a new list each time."""
+        groups: list[list] = [[] for _ in range(self._group_count)]
+        for param, group in zip(self._params, self._group_of, strict=True):
+            groups[group].append(param)
+        return groups
+
+    @property
+    def bit16_groups(self) -> list[list]:
+        """`fp16_groups` under DeepSpeed's other name (ZeRO-1/2)."""
+        return self.fp16_groups
+
+    @property
+    def nccl_start_alignment_factor(self) -> int:
+        """The number of elements each rank's partition of a bucket is a multiple of, so that every
+        partition starts at a multiple of it (DeepSpeed's ZeRO-1/2: 2, four bytes of fp16; ds-zero: 1,
+        or a 4 KiB page of elements for stage 3's parameters on NVMe)."""
+        return self.layout.align
+
     def set_gradient_accumulation_steps(self, steps: int) -> None:
         """Accumulate ``steps`` micro-steps per optimizer step from the next accumulation on. Only at an
         accumulation's start (between a boundary's step and the next backward): a RuntimeError otherwise."""

@@ -13,8 +13,9 @@ from ._model import param_name, short
 
 
 def option_groups(param_groups: Any, model: nn.Module, params: list[nn.Parameter]
-                   ) -> tuple[list[int], list[dict[str, Any]] | None]:
-    """Each trainable parameter's group index and the groups' options (None: no groups given)."""
+                   ) -> tuple[list[int | None], list[dict[str, Any]] | None]:
+    """Each trainable parameter's group index (None: in no group, so not optimized) and the groups'
+    options (None: no groups given)."""
     if param_groups is None:
         return [0] * len(params), None
     if isinstance(param_groups, dict) or not isinstance(param_groups, (list, tuple)) or \
@@ -37,11 +38,11 @@ def option_groups(param_groups: Any, model: nn.Module, params: list[nn.Parameter
                                  f"and param_groups[{g}]; each parameter belongs to one group")
             group_of[i] = g
         options.append({k: v for k, v in group.items() if k != "params"})
-    missing = [param_name(model, p) for p, g in zip(params, group_of, strict=True) if g is None]
-    if missing:
-        raise ValueError(f"ZeroOptimizer: param_groups leave out {len(missing)} trainable parameters "
-                         f"({', '.join(missing[:5])}); put every parameter with requires_grad=True in a group, or "
-                         "freeze it with requires_grad_(False)")
+    if all(g is None for g in group_of):
+        raise ValueError(f"ZeroOptimizer: param_groups hold none of the model's {len(params)} trainable parameters; "
+                         "put the parameters to train in a group")
+    # a trainable parameter in no group is not optimized (None), as in DeepSpeed, whose ZeRO optimizers
+    # build their flat groups from the optimizer's param_groups only: it keeps its value
     return group_of, options  # type: ignore[return-value]
 
 

@@ -5,7 +5,9 @@ broadcast from rank 0 (so every rank starts from the same values, as DDP does), 
 multiple of the world size, and only this rank's slice is kept. So the whole model never exists on
 one rank: at most its slices plus the one module being built. With ``remote_device="nvme"`` the
 slices go to files under ``offload_param.nvme_path`` as they are made, so RAM holds only the module
-being built (a model whose 1/N does not fit either). `ZeroOptimizer` at stage 3 takes such
+being built (a model whose 1/N does not fit either). A module built on the meta device
+(``torch.nn.utils.skip_init``) is partitioned when ``to_empty`` gives it memory, with the values it
+left (uninitialised, as skip_init promises; rank 0's). `ZeroOptimizer` at stage 3 takes such
 a model as it is (it gathers one unit at a time to lay out its partitions); below stage 3 it makes
 the parameters whole first.
 """
@@ -101,6 +103,8 @@ class Init:
         if module is not None and self.enabled:
             for sub in module.modules():
                 self._partition(sub)
+            if any(p.is_meta for p in module.parameters()):
+                _partition_after_to_empty(module, self)
 
     def __enter__(self) -> Init:
         if not self.enabled:
@@ -130,7 +134,7 @@ class Init:
         world, rank = ds_comm.get_world_size(self.group), ds_comm.get_rank(self.group)
         source = ds_comm.get_global_rank(self.group, 0) if self.group is not None else 0
         for p in module.parameters(recurse=False):
-            if is_init_partitioned(p) or hasattr(p, "_ds_stage3"):
+            if is_init_partitioned(p) or hasattr(p, "_ds_stage3") or p.is_meta:  # meta: at to_empty (skip_init)
                 continue
             data = p.data
             if self.dtype is not None and data.is_floating_point():
@@ -229,8 +233,28 @@ def _wrap(cls: type) -> None:
                 del _building[key]
         if key not in _building and _active:  # the outermost constructor of this module returned
             _active[-1]._partition(module)
+            if any(p.is_meta for p in module.parameters()):
+                _partition_after_to_empty(module, _active[-1])
 
     cls.__init__ = init
+
+
+def _partition_after_to_empty(module: nn.Module, init: Init) -> None:
+    """A module built on the meta device (``torch.nn.utils.skip_init``: ``cls(..., device="meta")``, then
+    ``to_empty``) is partitioned when ``to_empty`` gives its parameters memory, as DeepSpeed's Init does:
+    with the values ``to_empty`` left (uninitialised; rank 0's, broadcast). The hook is on the instance
+    and goes at that call (with those of its submodules: one partitioning covers them all)."""
+    def to_empty(*args: Any, **kwargs: Any) -> nn.Module:
+        for sub in module.modules():
+            if getattr(sub.__dict__.get("to_empty"), "_ds_partition_after", False):
+                del sub.__dict__["to_empty"]
+        result = module.to_empty(*args, **kwargs)
+        for sub in module.modules():
+            init._partition(sub)
+        return result
+
+    to_empty._ds_partition_after = True
+    module.__dict__["to_empty"] = to_empty
 
 
 def _init_subclass(cls, **kwargs):

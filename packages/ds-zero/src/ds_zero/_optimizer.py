@@ -166,6 +166,9 @@ class ZeroOptimizer(Reduction, State, OffloadStates, EngineCalls):
             self._check_compressed(optimizer.__name__)  # before the model is touched
         params = trainable(model)
         group_of, group_options = option_groups(param_groups, model, params)
+        if None in group_of:  # in no group: not optimized, held as a frozen parameter is
+            params = [p for p, g in zip(params, group_of, strict=True) if g is not None]
+            group_of = [g for g in group_of if g is not None]
         for p in params:
             if hasattr(p, "_ds_stage3"):
                 raise ValueError(f"ZeroOptimizer: parameter {param_name(model, p)} is managed by another stage-3 "
@@ -196,8 +199,9 @@ class ZeroOptimizer(Reduction, State, OffloadStates, EngineCalls):
         self.skipped_steps = 0
         check_same_model(model, params, group, self.world_size)
         broadcast_from_first_rank(model, group)
+        managed = {id(p) for p in params}
         for p in model.parameters():  # built under Init: whole again, but stage 3's trainable ones
-            if is_init_partitioned(p) and (self.config.stage < 3 or not p.requires_grad):
+            if is_init_partitioned(p) and (self.config.stage < 3 or id(p) not in managed):
                 unpartition(p)
 
         bucket_size = min(self.config.reduce_bucket_size, OVERLAP_BUCKET_ELEMENTS)
@@ -255,9 +259,13 @@ class ZeroOptimizer(Reduction, State, OffloadStates, EngineCalls):
             self._stage3 = Stage3(model, params, layout, [name for name, _ in units], hooked, self._flat,
                                   self._shard_starts, self.config, group, self._shard_modified,
                                   shards=self._nvme if params_on_nvme else None)
+            for unit in self._stage3.units:  # DeepSpeed's flag: whole on every rank throughout training
+                for p in unit.params:
+                    p.ds_persist = unit.persistent
         # the optimizer steps one tensor per run: a bucket's stepped range, split where the option group
         # changes (one run per bucket without param_groups); (bucket, offset in the range, length, group)
         self._runs = step_runs(layout, self.stage, self.rank, group_of)
+        self._group_of, self._group_count = group_of, len(group_options) if group_options is not None else 1
         self._run_starts = [[] for _ in layout.buckets]  # per bucket: (offset, run index), ascending
         for i, (b, at, _, _) in enumerate(self._runs):
             self._run_starts[b].append((at, i))

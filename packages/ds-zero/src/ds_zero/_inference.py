@@ -1,0 +1,139 @@
+"""`ZeroInference`: ZeRO stage 3 without an optimizer (evaluation), DeepSpeed's ``DeepSpeedZeRoOffload``.
+
+Every parameter of the model (trainable or frozen) is partitioned as `ZeroOptimizer` partitions a
+stage-3 model (one unit per module that owns parameters, each rank keeping one shard of each unit),
+and `Stage3`'s hooks gather a module's units around its forward and release them after. Nothing
+here computes gradients or steps: a model built under `Init` (or not) runs its forward with 1/N of
+its parameters held between forwards.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+import ds_comm
+
+from ._layout import FlatLayout
+from ._model import (
+    broadcast_from_first_rank,
+    check_same_model,
+    forget_init_partition,
+    full_shape,
+    gather_init_partitioned,
+    is_init_partitioned,
+    param_name,
+    version,
+)
+from ._not_built import refuse_what_is_not_built
+from ._precision import DTYPES, cast_floating_inputs
+from ._stage3 import Stage3, plan_units
+from ._state import State
+from .config import BF16Config, FP16Config, ZeroConfig, mixed_precision
+
+
+class ZeroInference:
+    """Partition ``model`` for ZeRO stage 3 with no optimizer: each rank keeps one shard of every
+    parameter, and a module's parameters are gathered around its forward (DeepSpeed's engine does
+    this, with its ``DeepSpeedZeRoOffload``, when stage 3 is given no optimizer)::
+
+        with ds_zero.Init():
+            model = GPT()
+        zero = ds_zero.ZeroInference(model, config={"stage": 3})
+        with torch.no_grad():
+            logits = model(tokens)
+
+    ``config``: the ``zero_optimization`` section (or a whole DeepSpeed config; its stage must be 3).
+    ``fp16``/``bf16``: those sections (or the whole config): with either enabled the floating-point
+    parameters become 16-bit (buffers keep their dtype, as DeepSpeed 0.19.8's engine casts them), and
+    ``fp16.auto_cast`` casts the forward's floating-point inputs. ``group``: the data-parallel process
+    group (default: all ranks). ``close()`` makes every parameter whole again and removes the hooks (a
+    collective: every rank closes)."""
+
+    def __init__(self, model: nn.Module, *, config: Any = None, fp16: Any = None, bf16: Any = None,
+                 group: Any = None):
+        if not isinstance(model, nn.Module):
+            raise ValueError(f"ZeroInference: model must be a torch.nn.Module, got {type(model).__name__}")
+        self.config = ZeroConfig.from_section_or_ds_config(config)
+        if self.config.stage != 3:
+            raise ValueError(f"ZeroInference partitions parameters at zero_optimization.stage 3, got stage "
+                             f"{self.config.stage} (stages 0-2 keep every parameter whole: run the model as it is)")
+        refuse_what_is_not_built(self.config)
+        fp16_config = FP16Config.from_section_or_ds_config(fp16)
+        precision = mixed_precision(fp16_config, BF16Config.from_section_or_ds_config(bf16))
+        if self.config.offload_param is not None and self.config.offload_param.device == "nvme":
+            raise NotImplementedError(f"ZeroInference: offload_param.device 'nvme' is not implemented in ds-zero "
+                                      f"{version()} without an optimizer; use 'cpu' or 'none'")
+        if not ds_comm.is_initialized():
+            raise RuntimeError("ZeroInference: the process group is not initialised; call ds_comm.init_distributed() "
+                               "first")
+        seen: set[int] = set()
+        params = [p for p in model.parameters() if not (id(p) in seen or seen.add(id(p)))]
+        if not params:
+            raise ValueError("ZeroInference: the model has no parameter to partition")
+        for p in params:
+            if hasattr(p, "_ds_stage3"):
+                raise ValueError(f"ZeroInference: parameter {param_name(model, p)} is managed by another stage-3 "
+                                 "ZeroOptimizer or ZeroInference; close() that one first")
+            if p.device.type != "cpu":
+                raise NotImplementedError(f"ZeroInference: parameter {param_name(model, p)} is on {p.device}; ds-zero "
+                                          f"{version()} runs CPU models over gloo (its CUDA path is not built yet)")
+        if precision != "fp32":
+            for p in params:
+                if p.is_floating_point() and p.dtype != DTYPES[precision] and not hasattr(p, "ds_init_store"):
+                    p.data = p.data.to(DTYPES[precision])
+        dtypes = {p.dtype for p in params}
+        if len(dtypes) != 1:
+            raise ValueError(f"ZeroInference: the model's parameters have several dtypes ({sorted(map(str, dtypes))}); "
+                             "stage 3 keeps one flat partition of one dtype: cast the model first")
+        self.model, self.group = model, group
+        self.world_size, self.rank = ds_comm.get_world_size(group), ds_comm.get_rank(group)
+        self.dtype = dtypes.pop()
+        check_same_model(model, params, group, self.world_size)
+        broadcast_from_first_rank(model, group)
+        units, hooked = plan_units(model, params)
+        self.layout = FlatLayout([full_shape(p) for p in params], world_size=self.world_size, bucket_size=1,
+                                 groups=[members for _, members in units])
+        starts = self.layout.partition_offsets()
+        self._partition = torch.zeros(self.layout.shard_numel, dtype=self.dtype)
+        self._fill(params, starts)
+        self._stage3: Stage3 | None = Stage3(model, params, self.layout, [name for name, _ in units], hooked,
+                                             self._partition, starts, self.config, group, lambda *_: None)
+        self._hooks = []
+        if precision == "fp16" and fp16_config.auto_cast:
+            self._hooks.append(model.register_forward_pre_hook(cast_floating_inputs(self.dtype), with_kwargs=True))
+
+    def _fill(self, params: list[nn.Parameter], starts: list[int]) -> None:
+        """This rank's shard of every unit into the partition, one unit whole at a time (parameters
+        built under `Init` gathered from their shards for it); each parameter is released after."""
+        for bucket, start in zip(self.layout.buckets, starts, strict=True):
+            lo, hi = bucket.offset + self.rank * bucket.shard, bucket.offset + (self.rank + 1) * bucket.shard
+            shard = self._partition[start:start + bucket.shard]
+            for index in bucket.slots:
+                slot, p = self.layout.slots[index], params[index]
+                whole = gather_init_partitioned(p, self.group) if is_init_partitioned(p) else p.detach()
+                a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+                if a < b:
+                    shard[a - lo:b - lo].copy_(whole.reshape(-1)[a - slot.offset:b - slot.offset])
+            for index in bucket.slots:
+                params[index].data = torch.empty(0, dtype=self.dtype)
+                forget_init_partition(params[index])
+
+    full_state_dict = State.full_state_dict  # the model's state_dict, every parameter whole (a collective)
+
+    def empty_partition_cache(self) -> None:
+        """Release every gathered parameter not persistent or in use, and the pooled gather buffers."""
+        if self._stage3 is not None:
+            self._stage3.empty_cache()
+
+    def close(self) -> None:
+        """Every parameter whole again, the hooks removed (a collective: every rank closes)."""
+        if self._stage3 is not None:
+            self._stage3.gather_all()
+            self._stage3 = None
+            self._partition = None
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
