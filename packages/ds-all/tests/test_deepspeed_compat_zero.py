@@ -235,3 +235,26 @@ def checkpoint_with_left_out(rank, world_size, path):
 def test_a_checkpoint_keeps_the_parameters_in_no_group(tmp_path):
     for loaded in spawn(checkpoint_with_left_out, world_size=2, args=(str(tmp_path / "ck"),)):
         assert all(loaded), loaded
+
+
+def allreduce_after_backward(rank, world_size, stage):
+    trained = []
+    for call in (False, True):
+        model = _model()
+        engine, *_ = ds_all.initialize(model=model, config=_config(stage, optimizer={"type": "AdamW",
+                                                                                     "params": {"lr": 1e-2}}))
+        for step in range(3):
+            x, y = _batch(step, rank)
+            engine.backward(nn.functional.mse_loss(engine(x), y))
+            if call:
+                engine.allreduce_gradients()  # DeepSpeed's tests call it after backward: nothing changes
+            engine.step()
+        with ds_all.zero.GatheredParameters(list(model.parameters())):
+            trained.append([p.detach().clone() for p in model.parameters()])
+        engine.destroy()
+    return all(torch.equal(a, b) for a, b in zip(*trained, strict=True))
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_allreduce_gradients_after_backward_leaves_training_as_it_is(stage):
+    assert spawn(allreduce_after_backward, world_size=2, args=(stage,)) == [True, True]

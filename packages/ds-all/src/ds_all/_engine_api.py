@@ -289,9 +289,11 @@ class EngineAPI(EngineGetters):
         return out
 
     def allreduce_gradients(self, bucket_size: int = 500_000_000) -> None:
-        raise NotImplementedError("engine.allreduce_gradients: ds-zero reduces the gradients in backward's hooks, "
-                                  "bucket by bucket, and step() waits for them; there is no separate reduction to "
-                                  "call (nor DeepSpeed's enable_backward_allreduce=False that calls for one)")
+        """DeepSpeed's: the data-parallel reduction of this backward's gradients. ds-zero issues it in
+        backward's hooks, bucket by bucket; this completes what is in flight (``bucket_size`` is not read)."""
+        if self.zero is None:
+            raise RuntimeError("engine.allreduce_gradients: this engine has no optimizer (nothing reduces gradients)")
+        self.zero.wait_reductions()
 
     def sparse_allreduce_no_retain(self, *args: Any, **kwargs: Any) -> None:
         raise not_built("sparse_allreduce_no_retain", "sparse gradients (sparse_gradients)")

@@ -453,6 +453,11 @@ class ZeroOptimizer(Reduction, State, OffloadStates, EngineCalls):
         params = None if self._nvme.param_dtype is not None else self._flat  # None: on NVMe, stepped there
         self._nvme.step(params, self._partition, step, self._recipe.hyperparameters(group), grad_scale)
 
+    def wait_reductions(self) -> None:
+        """Complete the gradient reductions backward has issued (they run in its hooks; `step` waits for
+        them anyway): DeepSpeed's ``engine.allreduce_gradients()`` after backward."""
+        self._finish_in_flight()
+
     def reduce_gradients(self) -> None:
         """Start the reduction of every bucket from the gradients in ``.grad`` (with
         ``reduce_in_backward=False``: the caller's backward passes are done); `step` waits for it. A
