@@ -453,26 +453,6 @@ class ZeroOptimizer(Reduction, State, OffloadStates, EngineCalls):
         params = None if self._nvme.param_dtype is not None else self._flat  # None: on NVMe, stepped there
         self._nvme.step(params, self._partition, step, self._recipe.hyperparameters(group), grad_scale)
 
-    def wait_reductions(self) -> None:
-        """Complete the gradient reductions backward has issued (they run in its hooks; `step` waits for
-        them anyway): DeepSpeed's ``engine.allreduce_gradients()`` after backward."""
-        self._finish_in_flight()
-
-    def reduce_gradients(self) -> None:
-        """Start the reduction of every bucket from the gradients in ``.grad`` (with
-        ``reduce_in_backward=False``: the caller's backward passes are done); `step` waits for it. A
-        parameter without a gradient counts as zeros."""
-        if self.reduce_in_backward:
-            raise RuntimeError("ZeroOptimizer.reduce_gradients: this optimizer reduces in its backward hooks; build it "
-                               "with reduce_in_backward=False to reduce by hand")
-        self._fired = {i for i, p in enumerate(self._params) if p.grad is not None}
-        for b in range(len(self.layout.buckets)):
-            self._reduce(b)
-        self._boundary_reduced = True
-        self._accumulated = True
-        self._fired.clear()
-        self._reduced = [False] * len(self.layout.buckets)
-
     def zero_grad(self) -> None:
         """Zero the accumulated gradients (between boundaries this would drop micro-steps: it is a
         no-op there, as the accumulation needs them)."""
