@@ -53,7 +53,7 @@ def test_thread_count_is_intra_op_parallelism_and_roundtrips():
     ({"queue_depth": True}, "aio.queue_depth: must be an integer, got True"),
     ({"queue_depth": "8"}, "aio.queue_depth: must be an integer, got '8'"),
     ({"overlap_events": "maybe"}, "aio.overlap_events: must be true or false, got 'maybe'"),
-    ({"single_submit": 0}, "aio.single_submit: must be true or false, got 0"),
+    ({"single_submit": 2}, "aio.single_submit: must be true or false, got 2"),  # 0 and 1 are booleans, as in DeepSpeed
     ({"thread_count": 2, "intra_op_parallelism": 2}, "give 'thread_count' or 'intra_op_parallelism', not both"),
 ])
 def test_bad_sections_name_the_key_and_what_is_allowed(section, message):
