@@ -176,6 +176,13 @@ class PipelineModule(nn.Module):
                         virtual_stages, self.parts)
         self._build()
         self._tie_groups = self._make_tie_groups()
+        # DeepSpeed's mark for gradient norms: a tied module counts once, on the first stage holding it
+        for p in self.parameters():
+            p.ds_pipe_replicated = False
+        for key, (_, ranks) in self._tie_groups.items():
+            if ds_comm.get_rank() != ranks[0]:
+                for p in self.tied_modules[key].parameters():
+                    p.ds_pipe_replicated = True
         self._synchronize_tied_weights()
 
     # -- partitioning ---------------------------------------------------------------------------
