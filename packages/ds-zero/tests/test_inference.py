@@ -26,8 +26,9 @@ def skip_init_under_init(rank, world_size):
     with ds_zero.Init():
         linear = torch.nn.utils.skip_init(nn.Linear, 8, 8)
         block = torch.nn.utils.skip_init(Block)
-    out = {"partitioned": [(tuple(p.ds_shape), p.numel(), p.is_meta) for p in linear.parameters()],
-           "block": [(tuple(p.ds_shape), p.numel(), p.is_meta) for p in block.parameters()],
+    # as DeepSpeed's Init: each parameter empty, its shard in ds_tensor
+    out = {"partitioned": [(tuple(p.ds_shape), p.numel(), p.ds_tensor.numel(), p.is_meta) for p in linear.parameters()],
+           "block": [(tuple(p.ds_shape), p.numel(), p.ds_tensor.numel(), p.is_meta) for p in block.parameters()],
            "hooks_left": [m for m in [*linear.modules(), *block.modules()] if "to_empty" in m.__dict__]}
     torch.manual_seed(1)
     plain, plain_block = nn.Linear(8, 8), Block()
@@ -55,8 +56,9 @@ def skip_init_under_init(rank, world_size):
 
 def test_skip_init_under_init_partitions_the_module_at_to_empty():
     for out in spawn(skip_init_under_init, world_size=2):
-        assert out["partitioned"] == [((8, 8), 32, False), ((8,), 4, False)]
-        assert out["block"] == [((6, 4), 12, False), ((6,), 3, False), ((4, 6), 12, False), ((4,), 2, False)]
+        assert out["partitioned"] == [((8, 8), 0, 32, False), ((8,), 0, 4, False)]
+        assert out["block"] == [((6, 4), 0, 12, False), ((6,), 0, 3, False), ((4, 6), 0, 12, False),
+                                ((4,), 0, 2, False)]
         assert out["hooks_left"] == []
         assert out["shapes"] == [[(8, 8), (8,)], [(6, 4), (6,), (4, 6), (4,)]]
         assert out["equal"] == [True, True]

@@ -189,7 +189,7 @@ def built_under_init(rank, world_size):
     torch.manual_seed(0)
     with Init():
         model = TinyGPT()
-    shards = {name: (p.numel(), p.ds_numel) for name, p in model.named_parameters()}
+    shards = {name: (p.numel(), p.ds_tensor.numel(), p.ds_numel) for name, p in model.named_parameters()}
     # GatheredParameters on Init's shards: read whole, modify on rank 0, partitioned again
     with GatheredParameters(model.head.weight, modifier_rank=0):
         whole_head = torch.equal(model.head.weight, plain.head.weight)
@@ -215,8 +215,8 @@ def built_under_init(rank, world_size):
 
 def test_init_builds_partitioned_and_gathered_parameters_round_trip():
     for shards, whole_head, doubled, same_losses, same_params, filled in spawn(built_under_init, world_size=2):
-        for name, (held, total) in shards.items():
-            assert held == -(-total // 2), (name, held, total)  # never whole on any rank
+        for name, (numel, held, total) in shards.items():  # as DeepSpeed's: empty, the shard in ds_tensor
+            assert numel == 0 and held == -(-total // 2), (name, numel, held, total)  # never whole on any rank
         assert whole_head and doubled and filled
         assert same_losses and same_params
 
@@ -244,7 +244,8 @@ def construction_peak(rank, world_size, layers, width, under_init):
 
     ds_comm.barrier()
     model, peak = _peak_growth_mib(build)
-    return peak, sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+    held = [getattr(p, "ds_tensor", p) for p in model.parameters()]  # under Init: the shard (DeepSpeed's ds_tensor)
+    return peak, sum(t.numel() * t.element_size() for t in held) / 2**20
 
 
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's /proc/self/clear_refs")

@@ -10,10 +10,12 @@ already partitioned, `GatheredParameters` makes parameters whole for a while and
 partitions a model for evaluation without an optimizer; optimizer states and parameters on NVMe
 (ZeRO-Infinity). `OneBitAdam`, `ZeroOneAdam` and `OneBitLamb` (stage 0) send 1-bit compressed messages after warm-up.
 `DynamicLossScaler`, `LossScaler` and `CreateLossScaler` are DeepSpeed's loss-scaler objects for loops that
-scale an fp16 loss by hand.
+scale an fp16 loss by hand. `safe_get_full_fp32_param`, `safe_get_full_grad`, `safe_get_full_optimizer_state` and
+their `safe_set_*`/`*_local_*` forms (DeepSpeed's ``deepspeed.utils``) read and write one parameter's state.
 """
 
 from ._checkpoint import SafeReader, load_zero_checkpoint, read_zero_metadata, save_zero_checkpoint
+from ._deepspeed_format import is_deepspeed_checkpoint, load_deepspeed_checkpoint
 from ._errors import ZeRORuntimeException
 from ._estimate import (
                         estimate_zero2_model_states_mem_needs_all_cold,
@@ -32,6 +34,22 @@ from ._init import (
 )
 from ._loss_scaler import CreateLossScaler, DynamicLossScaler, LossScaler, LossScalerBase
 from ._optimizer import ZeroOptimizer
+from ._params import ZeroParamStatus
+from ._state_access import (
+                        safe_get_full_fp32_param,
+                        safe_get_full_grad,
+                        safe_get_full_optimizer_state,
+                        safe_get_local_fp32_param,
+                        safe_get_local_grad,
+                        safe_get_local_optimizer_state,
+                        safe_set_full_fp32_param,
+                        safe_set_full_grad,
+                        safe_set_full_optimizer_state,
+                        safe_set_local_fp32_param,
+                        safe_set_local_grad,
+                        safe_set_local_optimizer_state,
+                        safe_update_full_grad_vectorized,
+)
 from .config import (
                         BF16Config,
                         FP16Config,
@@ -49,8 +67,14 @@ __all__ = ["BF16Config", "CreateLossScaler", "DynamicLossScaler", "FP16Config", 
            "LossScaler", "LossScalerBase", "OffloadDeviceEnum", "OffloadOptimizerConfig", "OffloadParamConfig",
            "OffloadStateTypeEnum", "OneBitAdam", "OneBitLamb", "SafeReader",
            "ZeRORuntimeException", "ZeroConfig", "ZeroInference", "ZeroOneAdam",
-           "ZeroOptimizer", "__version__", "estimate_zero2_model_states_mem_needs_all_cold",
+           "ZeroOptimizer", "ZeroParamStatus", "__version__", "estimate_zero2_model_states_mem_needs_all_cold",
            "estimate_zero2_model_states_mem_needs_all_live", "estimate_zero3_model_states_mem_needs_all_cold",
            "estimate_zero3_model_states_mem_needs_all_live", "estimate_zero_model_states_mem_needs",
-           "get_fp32_state_dict_from_zero_checkpoint", "load_state_dict_from_zero_checkpoint", "load_zero_checkpoint",
-           "read_zero_metadata", "register_external_parameter", "save_zero_checkpoint", "unregister_external_parameter"]
+           "get_fp32_state_dict_from_zero_checkpoint", "is_deepspeed_checkpoint", "load_deepspeed_checkpoint",
+           "load_state_dict_from_zero_checkpoint", "load_zero_checkpoint",
+           "read_zero_metadata", "register_external_parameter", "safe_get_full_fp32_param", "safe_get_full_grad",
+           "safe_get_full_optimizer_state", "safe_get_local_fp32_param", "safe_get_local_grad",
+           "safe_get_local_optimizer_state", "safe_set_full_fp32_param", "safe_set_full_grad",
+           "safe_set_full_optimizer_state", "safe_set_local_fp32_param", "safe_set_local_grad",
+           "safe_set_local_optimizer_state", "safe_update_full_grad_vectorized",
+           "save_zero_checkpoint", "unregister_external_parameter"]

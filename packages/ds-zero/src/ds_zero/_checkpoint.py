@@ -103,7 +103,7 @@ def _parts(zero: ZeroOptimizer, exclude_frozen: bool = False) -> _Parts | None:
     if zero.world_size == world:
         return None
     mine = (_world_rank(zero, 0), _names(zero), [list(s.shape) for s in zero.layout.slots],
-            sorted(_other_entries(zero)), _frozen_names(zero) if exclude_frozen else [])
+            sorted(_other_entries(zero, values=False)), _frozen_names(zero) if exclude_frozen else [])
     gathered: list[Any] = [None] * world
     torch.distributed.all_gather_object(gathered, mine)
     writer: dict[str, int] = {}
@@ -218,12 +218,24 @@ def _piece_entries(zero: ZeroOptimizer, sized: list[str], skip: set[str] = froze
     return out
 
 
-def _other_entries(zero: ZeroOptimizer, exclude_frozen: bool = False) -> dict[str, torch.Tensor]:
-    """The module's tensors ZeRO does not hold (buffers, frozen parameters), replicated."""
+def _other_entries(zero: ZeroOptimizer, exclude_frozen: bool = False, values: bool = True) -> dict[str, torch.Tensor]:
+    """The module's tensors ZeRO does not hold (buffers, frozen parameters), replicated, whole: stage 3's
+    partitioned frozen parameters are gathered into copies (a collective; not with ``values=False``,
+    where only the names are used)."""
     trainable = {id(p) for p in zero._params}
     frozen = [] if exclude_frozen else list(zero.model.named_parameters())
-    return {f"module/{_saved_name(zero, name)}": tensor.detach()
+    whole = zero._frozen.whole() if zero._frozen is not None and frozen and values else {}
+    return {f"module/{_saved_name(zero, name)}": whole.get(id(tensor), tensor.detach())
             for name, tensor in [*frozen, *zero.model.named_buffers()] if id(tensor) not in trainable}
+
+
+def _load_frozen(zero: ZeroOptimizer, loaded: dict[str, Any]) -> None:
+    """Stage 3: the frozen parameters read whole (into copies) go into their partition."""
+    if zero._frozen is None:
+        return
+    names = {id(p): _saved_name(zero, name) for name, p in zero.model.named_parameters()}
+    zero._frozen.load_whole({id(p): loaded[f"module/{names[id(p)]}"] for p in zero._frozen.params
+                             if f"module/{names[id(p)]}" in loaded})
 
 
 def _frozen_names(zero: ZeroOptimizer) -> list[str]:
@@ -269,9 +281,21 @@ def zero_metadata(zero: ZeroOptimizer, exclude_frozen_parameters: bool = False,
         names, shapes, excluded = parts.names, [parts.shapes[n] for n in parts.names], parts.excluded_frozen
     return {"format": FORMAT, "zero_stage": zero.stage, "world_size": zero.world_size, "precision": zero.precision,
             "optimizer": type(zero.optimizer).__name__, "param_groups": groups,
-            "names": names, "shapes": shapes, "excluded_frozen": excluded,
+            "names": names, "shapes": shapes, "excluded_frozen": excluded, "shared_params": _shared_params(zero),
             "micro_step": zero._micro_step, "skipped_steps": zero.skipped_steps,
             "loss_scaler": zero.scaler.state_dict() if zero.scaler is not None else None}
+
+
+def _shared_params(zero: ZeroOptimizer) -> dict[str, str]:
+    """A tied parameter's other names -> the name it is saved under (DeepSpeed's ``shared_params``)."""
+    first: dict[int, str] = {}
+    aliases = {}
+    for name, p in zero.model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            aliases[_saved_name(zero, name)] = _saved_name(zero, first[id(p)])
+        else:
+            first[id(p)] = name
+    return aliases
 
 
 def _listing(kind: str, names: list[str]) -> list[str]:
@@ -334,6 +358,11 @@ def _rank_state_wanted(zero: ZeroOptimizer, meta: dict[str, Any], saved_keys: se
     return {key: t for key, t in zero.optimizer.rank_state_template().items() if prefix + key in saved_keys}
 
 
+def _reader(checkpoint_id: Any) -> dcp.StorageReader:
+    """A checkpoint directory's reader, or ``checkpoint_id`` itself when it is one (a DeepSpeed checkpoint's)."""
+    return checkpoint_id if isinstance(checkpoint_id, dcp.StorageReader) else SafeReader(checkpoint_id)
+
+
 def load_zero_state(zero: ZeroOptimizer, checkpoint_id: Any, meta: dict[str, Any], *, load_optimizer: bool = True,
                     extra: dict[str, Any] | None = None, strict: bool = True) -> None:
     """Load a checkpoint written by `zero_state` from any world size and stage into ``zero``, in place
@@ -343,7 +372,7 @@ def load_zero_state(zero: ZeroOptimizer, checkpoint_id: Any, meta: dict[str, Any
     parts = _parts(zero)
     lazy = _nvme_entries(zero)  # ZeRO-Infinity: the ranges read go to disk through its planner
     check_compatible(zero, meta, "ZeroOptimizer.load", strict, parts)
-    saved_metadata = SafeReader(checkpoint_id).read_metadata().state_dict_metadata
+    saved_metadata = _reader(checkpoint_id).read_metadata().state_dict_metadata
     saved_keys = set(saved_metadata)
     sized = sorted({k.split("/")[1] for k in saved_keys if k.startswith("optim/")}) if load_optimizer else []
     scalars = sorted(k.split("/", 1)[1] for k in saved_keys if k.startswith("optim_scalar/")) if load_optimizer else []
@@ -374,8 +403,9 @@ def load_zero_state(zero: ZeroOptimizer, checkpoint_id: Any, meta: dict[str, Any
     wanted.update(extra or {})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
-        dcp.load(wanted, storage_reader=SafeReader(checkpoint_id),
+        dcp.load(wanted, storage_reader=_reader(checkpoint_id),
                  planner=lazy.load_planner() if lazy is not None else None)
+    _load_frozen(zero, wanted)
     for key, value in scalar_values.items():
         for tensor in zero._step_params:
             zero.optimizer.state[tensor][key] = value.clone()

@@ -62,4 +62,6 @@ class EngineCalls:
         buffers (DeepSpeed's name); they are gathered again when used. Nothing at stages 0-2."""
         if self._stage3 is not None:
             self._stage3.empty_cache()
+            if self._frozen is not None:
+                self._frozen.stage3.empty_cache()
             gc.collect()

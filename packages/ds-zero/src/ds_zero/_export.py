@@ -23,6 +23,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from ._checkpoint import META_FILE, SafeReader, read_zero_metadata
+from ._deepspeed_format import deepspeed_tag_dir, fp32_state_dict
 
 
 def _tag_dir(checkpoint_dir: Any, tag: str | None) -> Path:
@@ -43,7 +44,11 @@ def _tag_dir(checkpoint_dir: Any, tag: str | None) -> Path:
 
 def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: Any, tag: str | None = None) -> OrderedDict:
     """The model's full state dict (float32 parameters from the master copy, buffers as saved) from a
-    checkpoint of any world size and ZeRO stage, read in this process alone."""
+    checkpoint of any world size and ZeRO stage, read in this process alone (DeepSpeed's own checkpoints
+    too: what its zero_to_fp32 returns)."""
+    deepspeed_path = deepspeed_tag_dir(checkpoint_dir, tag)
+    if deepspeed_path is not None and not (deepspeed_path / META_FILE).exists():
+        return fp32_state_dict(deepspeed_path)
     path = _tag_dir(checkpoint_dir, tag)
     meta = read_zero_metadata(path)
     saved = SafeReader(str(path)).read_metadata().state_dict_metadata
@@ -63,6 +68,9 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: Any, tag: str | Non
     for key, tensor in state.items():
         if key.startswith("module/"):
             out[key.removeprefix("module/")] = tensor
+    for alias, source in meta.get("shared_params", {}).items():  # tied weights: every name, one tensor
+        if source in out:
+            out[alias] = out[source]
     return out
 
 

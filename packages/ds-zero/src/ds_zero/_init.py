@@ -34,6 +34,7 @@ from ds_io import AioConfig, TensorSwapper
 
 from ._model import gather_init_partitioned, init_shard, is_init_partitioned
 from ._nvme import check_nvme_path, remove_swap_directory
+from ._params import ZeroParamStatus, give_id, set_shard
 from ._precision import DTYPES
 from ._stage3 import EXTERNAL, units_of
 from .config import BF16Config, FP16Config, ZeroConfig, mixed_precision
@@ -148,10 +149,13 @@ class Init:
             mine[:hi - lo].copy_(flat[lo:hi])
             p.ds_shape, p.ds_numel = data.shape, data.numel()
             p.ds_init_group, p.ds_init_shard = self.group, True
+            give_id(p)
+            p.ds_status, p.ds_persist = ZeroParamStatus.NOT_AVAILABLE, False
             if self._store is not None:
                 self._store.put(p, mine)
-            else:
-                p.data = mine
+            else:  # as DeepSpeed's: the parameter empty, its shard in ds_tensor
+                set_shard(p, mine)
+                p.data = torch.empty(0, dtype=mine.dtype)
 
 
 class _NvmeShards:
@@ -178,6 +182,8 @@ class _NvmeShards:
         self.bytes += shard.nbytes
         p.ds_init_store, p.ds_init_key = self, key
         p.data = torch.empty(0, dtype=shard.dtype)
+        set_shard(p, torch.empty(0, dtype=shard.dtype), shard.numel())  # DeepSpeed's placeholder: on NVMe
+        p.ds_tensor.final_location = "nvme"
 
     def read(self, p: torch.Tensor) -> torch.Tensor:
         return self.swapper.swap_in([p.ds_init_key]).wait()[0]
@@ -302,6 +308,7 @@ def GatheredParameters(params: nn.Parameter | Iterable[nn.Parameter], modifier_r
     for p in init_params:
         shards[p] = init_shard(p)
         p.data = gather_init_partitioned(p).clone()
+        p.ds_status = ZeroParamStatus.AVAILABLE
     try:
         yield
     finally:
@@ -318,12 +325,10 @@ def GatheredParameters(params: nn.Parameter | Iterable[nn.Parameter], modifier_r
                 lo, hi = min(rank * shard.numel(), flat.numel()), min((rank + 1) * shard.numel(), flat.numel())
                 shard[:hi - lo].copy_(flat[lo:hi])
             store = getattr(p, "ds_init_store", None)
-            if store is None:
-                p.data = shards[p]
-            else:  # the slice stays on NVMe
-                if modifier_rank is not None:
-                    store.write(p, shards[p])
-                p.data = torch.empty(0, dtype=p.dtype)
+            if store is not None and modifier_rank is not None:  # the slice stays on NVMe
+                store.write(p, shards[p])
+            p.data = torch.empty(0, dtype=p.dtype)
+            p.ds_status = ZeroParamStatus.NOT_AVAILABLE
 
 
 def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:

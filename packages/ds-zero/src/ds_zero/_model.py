@@ -83,16 +83,17 @@ def full_shape(p: torch.Tensor) -> torch.Size:
 
 
 def init_shard(p: torch.Tensor) -> torch.Tensor:
-    """The slice `Init` kept of ``p``: in memory, or read back from NVMe (``remote_device="nvme"``)."""
+    """The slice `Init` kept of ``p`` (``p.ds_tensor``, as DeepSpeed's; ``p`` itself is empty), or read
+    back from NVMe (``remote_device="nvme"``)."""
     store = getattr(p, "ds_init_store", None)
-    return p.data if store is None else store.read(p)
+    return p.ds_tensor if store is None else store.read(p)
 
 
 def gather_init_partitioned(p: torch.Tensor, group: Any = None) -> torch.Tensor:
     """The whole value of a parameter `Init` partitioned (a collective over its group)."""
     group = getattr(p, "ds_init_group", group)
     world = ds_comm.get_world_size(group)
-    shard = init_shard(p).reshape(-1)
+    shard = init_shard(p).reshape(-1).to(p.dtype)  # p cast since (model.half()): its shard follows
     full = torch.empty(shard.numel() * world, dtype=p.dtype)
     ds_comm.all_gather_bucket(full, shard, group=group)
     return full[:p.ds_numel].view(p.ds_shape)
@@ -108,7 +109,8 @@ def forget_init_partition(p: torch.Tensor) -> None:
     store = getattr(p, "ds_init_store", None)
     if store is not None:  # its slice's file on NVMe
         store.release(p)
-    for key in ("ds_init_shard", "ds_init_group", "ds_shape", "ds_numel", "ds_init_store", "ds_init_key"):
+    for key in ("ds_init_shard", "ds_init_group", "ds_shape", "ds_numel", "ds_init_store", "ds_init_key",
+                "ds_tensor", "ds_status", "ds_persist"):
         if hasattr(p, key):
             delattr(p, key)
 

@@ -47,7 +47,9 @@ from torch import nn
 import ds_comm
 
 from ._engine_calls import EngineCalls
+from ._frozen import FrozenShards, partitioned_frozen
 from ._groups import option_groups, step_runs
+from ._half import implied_precision
 from ._layout import FlatLayout
 from ._model import (
     broadcast_from_first_rank,
@@ -79,6 +81,7 @@ from ._reduction import Reduction
 from ._scaler import LossScaler
 from ._stage3 import Stage3, plan_units
 from ._state import State
+from ._state_access import link_parameters
 from .config import BF16Config, FP16Config, ZeroConfig, mixed_precision
 
 logger = logging.getLogger(__name__)
@@ -116,7 +119,8 @@ class ZeroOptimizer(Reduction, State, OffloadStates, EngineCalls):
     (each bucket's stepped range split where the group changes), and the groups' options override
     ``optimizer_kwargs``. ``checkpoint_names``: other names for some parameters in checkpoints
     (``{name in the model: name in the checkpoint}``), where the model's own would mean another tensor
-    elsewhere (a pipeline stage's copy of a tied module's untied parameters).
+    elsewhere (a pipeline stage's copy of a tied module's untied parameters). ``model_parallel_group``: the
+    ranks holding the model's other parts (pipeline stages), whose gradients count in the norm clipped.
     """
 
     def __init__(self, model: nn.Module, optimizer: type[torch.optim.Optimizer] | Callable = torch.optim.AdamW, *,
@@ -124,7 +128,7 @@ class ZeroOptimizer(Reduction, State, OffloadStates, EngineCalls):
                  bf16: Any = None, gradient_clipping: float = 0.0, gradient_accumulation_steps: int = 1,
                  communication_data_type: Any = None, group: Any = None, aio: Any = None,
                  reduce_in_backward: bool = True, param_groups: Any = None,
-                 checkpoint_names: dict[str, str] | None = None):
+                 checkpoint_names: dict[str, str] | None = None, model_parallel_group: Any = None):
         if not isinstance(model, nn.Module):
             raise ValueError(f"ZeroOptimizer: model must be a torch.nn.Module, got {type(model).__name__}")
         if not callable(optimizer):
@@ -133,6 +137,10 @@ class ZeroOptimizer(Reduction, State, OffloadStates, EngineCalls):
         self.config = ZeroConfig.from_section_or_ds_config(config)
         fp16_config = FP16Config.from_section_or_ds_config(fp16)
         bf16_config = BF16Config.from_section_or_ds_config(bf16)
+        # a 16-bit model without either section: DeepSpeed's arithmetic for it (_half); stage 0 steps it directly
+        fp16_config, bf16_config, communication_data_type, implied = implied_precision(
+            model, fp16_config, bf16_config, communication_data_type)
+        direct = implied and self.config.stage == 0
         self.precision = mixed_precision(fp16_config, bf16_config)
         # bf16 gradients with inf/NaN skip the step, as DeepSpeed's check_grad_overflow does (fp16: the scaler)
         self._check_overflow = self.precision == "bf16" and bf16_config.check_grad_overflow
@@ -142,6 +150,7 @@ class ZeroOptimizer(Reduction, State, OffloadStates, EngineCalls):
         if self._bf16_master:
             offload_to = self.config.offload_optimizer.device if self.config.offload_optimizer is not None else "none"
             check_bf16_master(self.precision, self.config.stage, offload_to, self._bf16_optimizer_states)
+        self._bf16_master = self._bf16_master or direct  # no master copy: the 16-bit parameters are stepped
         if self.precision == "fp16" and fp16_config.fp16_master_weights_and_grads:
             raise NotImplementedError("fp16.fp16_master_weights_and_grads is not implemented in ds-zero "
                                       f"{version()}: the master copy is float32; remove the key")
@@ -192,16 +201,16 @@ class ZeroOptimizer(Reduction, State, OffloadStates, EngineCalls):
                                       f"in ds-zero {version()}; got {len(group_options)} parameter groups: use one "
                                       "group, or offload to 'cpu'")
         self._nvme = None  # NvmeOptimizer: Adam's states (and the master copy) on NVMe
-        self.gradient_clipping = float(gradient_clipping)
+        self.gradient_clipping, self.model_parallel_group = float(gradient_clipping), model_parallel_group
         self.gradient_accumulation_steps = gradient_accumulation_steps
         self.world_size, self.rank = ds_comm.get_world_size(group), ds_comm.get_rank(group)
-        self.scaler = LossScaler(fp16_config) if self.precision == "fp16" else None
+        self.scaler = LossScaler(fp16_config) if self.precision == "fp16" and not direct else None
         self.skipped_steps = 0
         check_same_model(model, params, group, self.world_size)
         broadcast_from_first_rank(model, group)
         managed = {id(p) for p in params}
-        for p in model.parameters():  # built under Init: whole again, but stage 3's trainable ones
-            if is_init_partitioned(p) and (self.config.stage < 3 or id(p) not in managed):
+        for p in model.parameters():  # built under Init: whole again, but stage 3's trainable and frozen ones
+            if is_init_partitioned(p) and (self.config.stage < 3 or (id(p) not in managed and p.requires_grad)):
                 unpartition(p)
 
         bucket_size = min(self.config.reduce_bucket_size, OVERLAP_BUCKET_ELEMENTS)
@@ -247,9 +256,9 @@ class ZeroOptimizer(Reduction, State, OffloadStates, EngineCalls):
                 view.copy_(p.detach())
                 p.data = view
                 p.grad = None
-        if self.dtype != torch.float32:  # the rest of the model (frozen parameters, buffers) in 16 bits too
+        if self.dtype != torch.float32 and not implied:  # the rest of the model (frozen parameters, buffers) too
             for tensor in [*model.parameters(), *model.buffers()]:
-                if tensor.is_floating_point() and tensor.dtype != self.dtype:
+                if tensor.is_floating_point() and tensor.dtype != self.dtype and not hasattr(tensor, "ds_init_store"):
                     tensor.data = tensor.data.to(self.dtype)
             if fp16_config.auto_cast and self.precision == "fp16":
                 self._hooks.append(model.register_forward_pre_hook(cast_floating_inputs(self.dtype), with_kwargs=True))
@@ -262,6 +271,8 @@ class ZeroOptimizer(Reduction, State, OffloadStates, EngineCalls):
             for unit in self._stage3.units:  # DeepSpeed's flag: whole on every rank throughout training
                 for p in unit.params:
                     p.ds_persist = unit.persistent
+        frozen = partitioned_frozen(model, self.stage, self.dtype, managed)  # stage 3: partitioned too (_frozen)
+        self._frozen = FrozenShards(model, frozen, self.config, group, self.dtype, self._stage3) if frozen else None
         # the optimizer steps one tensor per run: a bucket's stepped range, split where the option group
         # changes (one run per bucket without param_groups); (bucket, offset in the range, length, group)
         self._runs = step_runs(layout, self.stage, self.rank, group_of)
@@ -325,6 +336,7 @@ class ZeroOptimizer(Reduction, State, OffloadStates, EngineCalls):
                 tensor.grad = grad
 
         self._index_of = {id(p): i for i, p in enumerate(params)}
+        link_parameters(self)  # each parameter finds its optimizer (ds_zero.safe_get_full_fp32_param & co)
         self._ready = [0] * len(layout.buckets)
         self._fired: set[int] = set()  # parameters whose gradient arrived in this backward
         self._reduced = [False] * len(layout.buckets)  # buckets reduced in this backward
@@ -473,8 +485,9 @@ class ZeroOptimizer(Reduction, State, OffloadStates, EngineCalls):
             return
         self._wait_reductions_quietly()
         self._work, self._buffer_work = [], []
-        if self._stage3 is not None:  # every parameter whole again (a collective: every rank closes)
-            self._stage3.gather_all()
+        for stage3 in (self._stage3, self._frozen.stage3 if self._frozen is not None else None):
+            if stage3 is not None:  # every parameter whole again (a collective: every rank closes)
+                stage3.gather_all()
         if self._nvme is not None:
             self._nvme.close()
             self._nvme = None

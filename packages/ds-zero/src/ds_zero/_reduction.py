@@ -57,6 +57,8 @@ class Reduction:
             self._reduce_leftovers()
         if self._stage3 is not None:
             self._stage3.after_backward()
+        if self._frozen is not None:  # stage 3's frozen units gathered in this backward
+            self._frozen.stage3.after_backward()
         self._accumulated = True  # stages 2-3: the next backward's reductions add to this one's
         self._ready = [0] * len(self.layout.buckets)
         self._fired.clear()
@@ -188,23 +190,35 @@ class Reduction:
         """The global L2 norm as torch.nn.utils.clip_grad_norm_ computes it: the norm of the
         per-parameter norms (in float32 whatever the gradients' dtype; inf or nan when a gradient
         overflowed). Stage 0 holds every reduced gradient, so this is local and bitwise torch's; at
-        stages 1-2 each parameter's sum of squares is gathered from its pieces first."""
+        stages 1-2 each parameter's sum of squares is gathered from its pieces first. With a
+        ``model_parallel_group`` (pipeline stages) the other parts' squares are added, and a copy of a
+        weight another stage owns (``ds_pipe_replicated``, a tied weight) is left out, as in DeepSpeed."""
+        counted = [not getattr(p, "ds_pipe_replicated", False) for p in self._params]
         if self.stage == 0:
+            grads = [p.grad for p, c in zip(self._params, counted, strict=True) if c]
             if self.dtype == torch.float32:
-                norms = torch._foreach_norm([p.grad for p in self._params])
+                norms = torch._foreach_norm(grads)
             else:
-                norms = [torch.linalg.vector_norm(p.grad, dtype=torch.float32) for p in self._params]
-            return torch.linalg.vector_norm(torch.stack(norms))
-        squares = torch.zeros(len(self._params), dtype=torch.float32)
-        for piece in self._pieces:
-            shard = self._shard_grads[piece.bucket]
-            part = shard[piece.partition_offset - self._shard_starts[piece.bucket]:][:piece.numel]
-            if part.dtype == torch.float32:
-                squares[piece.index] += torch.dot(part, part)
-            else:
-                squares[piece.index] += torch.linalg.vector_norm(part, dtype=torch.float32).square()
-        ds_comm.all_reduce(squares, group=self.group)
-        return torch.linalg.vector_norm(squares.sqrt())
+                norms = [torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]
+            norm = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros((), dtype=torch.float32)
+        else:
+            squares = torch.zeros(len(self._params), dtype=torch.float32)
+            for piece in self._pieces:
+                if not counted[piece.index]:
+                    continue
+                shard = self._shard_grads[piece.bucket]
+                part = shard[piece.partition_offset - self._shard_starts[piece.bucket]:][:piece.numel]
+                if part.dtype == torch.float32:
+                    squares[piece.index] += torch.dot(part, part)
+                else:
+                    squares[piece.index] += torch.linalg.vector_norm(part, dtype=torch.float32).square()
+            ds_comm.all_reduce(squares, group=self.group)
+            norm = torch.linalg.vector_norm(squares.sqrt())
+        if self.model_parallel_group is not None and ds_comm.get_world_size(self.model_parallel_group) > 1:
+            total = norm.square()
+            ds_comm.all_reduce(total, group=self.model_parallel_group)
+            norm = total.sqrt()
+        return norm
 
     def _wait_reductions_quietly(self) -> None:
         """Complete reductions still in flight (a close between backward and step), so no

@@ -19,6 +19,9 @@ optimizer's flat partition, so the optimizer steps it where it is.
   follows it, the units next in line are gathered ahead (``stage3_prefetch_bucket_size`` elements at
   most, ``stage3_max_live_parameters`` gathered at most). A step that takes another path falls back
   to gathering on demand and records the new order.
+* **A parameter read in another module's forward** (a tied LM head's ``F.linear(h, embed.weight)``):
+  each module's ``_parameters`` is a dict that gathers a partitioned parameter read during a forward
+  and makes it an external parameter of the module running (`fetch_external`), as DeepSpeed's.
 * **Same path on every rank**: every request starts with a tiny all-gather of the unit's id, so ranks
   that call different modules fail at once with the module each rank asked for, instead of issuing
   collectives of different sizes that hang or mix data.
@@ -28,7 +31,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,51 +41,12 @@ from torch import nn
 import ds_comm
 
 from ._layout import Bucket, FlatLayout
+from ._params import ZeroParamStatus, forget, give_id, install, set_shard, uninstall
+from ._stage3_guard import END_OF_BACKWARD, END_OF_FORWARD, PathGuard, check_group
+from ._units import plan_units, tensors_in  # noqa: F401  (plan_units: imported from here)
 
 logger = logging.getLogger(__name__)
-
-END_OF_FORWARD, END_OF_BACKWARD = -1, -2
 EXTERNAL = "_ds_external_parameters"  # a module's attribute: parameters it reads from other modules
-
-
-def plan_units(model: nn.Module, params: list[nn.Parameter]) -> tuple[list[tuple[str, list[int]]],
-                                                                       list[tuple[nn.Module, list[int]]]]:
-    """The units (a name and parameter indices each) and the hooked modules (each with the units of
-    every parameter below it), for ``params`` (the trainable parameters, in the model's order)."""
-    index = {id(p): i for i, p in enumerate(params)}
-    units: list[tuple[str, list[int]]] = []
-    unit_of: dict[int, int] = {}
-    holders: list[tuple[nn.Module, list[int]]] = []  # (module, parameter indices below it)
-    seen: set[int] = set()
-
-    def claim(name: str, members: list[int]) -> None:
-        new = [i for i in dict.fromkeys(members) if i not in unit_of]
-        if new:
-            for i in new:
-                unit_of[i] = len(units)
-            units.append((name, new))
-
-    root = [index[id(p)] for p in model.parameters(recurse=False) if id(p) in index]
-    claim("<root>", root)
-    if root:
-        holders.append((model, root))
-
-    def walk(module: nn.Module, prefix: str) -> None:
-        for name, child in module.named_children():
-            if id(child) in seen:
-                continue
-            seen.add(id(child))
-            direct = [p for p in child.parameters(recurse=False) if id(p) in index]
-            if direct:
-                members = [index[id(p)] for p in child.parameters() if id(p) in index]
-                claim(prefix + name, members)
-                holders.append((child, members))
-            else:
-                walk(child, f"{prefix}{name}.")
-
-    walk(model, "")
-    hooked = [(module, list(dict.fromkeys(unit_of[i] for i in members))) for module, members in holders]
-    return units, hooked
 
 
 @dataclass(eq=False)
@@ -117,7 +81,7 @@ class _Saved:
     offset: int
 
 
-class Stage3:
+class Stage3(PathGuard):
     """Gathers, releases and prefetches a model's units for `ZeroOptimizer` at stage 3."""
 
     def __init__(self, model: nn.Module, params: list[nn.Parameter], layout: FlatLayout, unit_names: list[str],
@@ -154,16 +118,25 @@ class Stage3:
         self.gathers = 0  # all-gathers issued (for tests and the benchmark)
         self._hooks: list[Any] = []
         self._names = {unit.index: unit.name for unit in self.units}
-        self._check_group = _check_group(group)
-        for p, (unit, k) in self._owners().items():
+        self._check_group = check_group(group)
+        owners = self._owners()
+        for p, (unit, k) in owners.items():
             p.ds_shape, p.ds_numel = unit.shapes[k], unit.shapes[k].numel()
             p._ds_stage3 = (self, unit.index)
+            give_id(p)
+            self._set_shard(p, unit, k)
+            p.ds_persist = unit.persistent  # DeepSpeed's flag: whole on every rank throughout
+        self._stack: list[nn.Module] = []  # the modules whose forward is running, innermost last
+        self._modules = [m for m in model.modules() if any(p in owners for p in m.parameters(recurse=False))]
+        install(self._modules)  # reading a parameter in another module's forward gathers it (`fetch_external`)
         for module, units in hooked:
             self._hooks.append(module.register_forward_pre_hook(self._pre_forward(units)))
             self._hooks.append(module.register_forward_hook(self._post_forward(units), always_call=True))
-        if not any(module is model for module, _ in hooked):
-            self._hooks.append(model.register_forward_pre_hook(self._pre_forward([])))
-            self._hooks.append(model.register_forward_hook(self._post_forward([]), always_call=True))
+        holders = {id(module) for module, _ in hooked}
+        for module in model.modules():  # the others too (the root's starts a forward): the running module is known
+            if id(module) not in holders:
+                self._hooks.append(module.register_forward_pre_hook(self._pre_forward([])))
+                self._hooks.append(module.register_forward_hook(self._post_forward([]), always_call=True))
         self._root = model
         for unit in self.units:
             if unit.persistent:
@@ -175,11 +148,39 @@ class Stage3:
     def _owners(self) -> dict[nn.Parameter, tuple[Unit, int]]:
         return {p: (unit, k) for unit in self.units for k, p in enumerate(unit.params)}
 
+    def _set_shard(self, p: nn.Parameter, unit: Unit, k: int) -> None:
+        """``p.ds_tensor``: the elements of ``p`` in this rank's shard of ``unit``, a view of the partition
+        (an empty placeholder of that many elements when the shards are on NVMe)."""
+        lo = self.rank * unit.bucket.shard
+        first = max(lo, unit.offsets[k])
+        last = min(lo + unit.bucket.shard, unit.offsets[k] + unit.shapes[k].numel())
+        start, count = self.shard_starts[unit.index] + first - lo, max(0, last - first)
+        if self.shards is None:
+            set_shard(p, self.partition[start:start + count])
+        else:
+            set_shard(p, torch.empty(0, dtype=self.dtype), count)
+            p.ds_tensor.final_location = "nvme"
+
+    def fetch_external(self, p: nn.Parameter) -> None:
+        """``p`` was read while a forward runs (`GatheringParameters`), outside its own module's forward
+        when it is not whole: as DeepSpeed, it becomes an external parameter of the running module
+        (gathered by it from now on) and is gathered now, to be released with that module."""
+        unit = self.units[p._ds_stage3[1]]
+        if not self._stack or unit.pointed:
+            return
+        module = self._stack[-1]
+        external = module.__dict__.setdefault(EXTERNAL, [])
+        if not any(q is p for q in external):
+            external.append(p)
+        self.request(unit, "forward")
+        unit.users += 1
+
     # ------------------------------------------------------------------------------------ hooks
     def _pre_forward(self, units: list[int]):
         def hook(module, args):
             if module is self._root:
                 self._begin_forward()
+            self._stack.append(module)
             for u in [*units, *self._external_units(module)]:
                 if not self.units[u].persistent:
                     self.request(self.units[u], "forward")
@@ -188,12 +189,14 @@ class Stage3:
 
     def _post_forward(self, units: list[int]):
         def hook(module, args, output):
+            if module in self._stack:
+                del self._stack[len(self._stack) - 1 - self._stack[::-1].index(module)]
             used = [u for u in [*units, *self._external_units(module)] if not self.units[u].persistent]
             for u in used:
                 self.units[u].users = max(0, self.units[u].users - 1)
                 self._after_use(self.units[u])
             if used and torch.is_grad_enabled():  # gather them again when backward reaches this module
-                for tensor in _tensors(output):
+                for tensor in tensors_in(output):
                     if tensor.requires_grad:
                         tensor.register_hook(self._pre_backward(used))
             if module is self._root:  # no collective when the forward raised (this hook is always called)
@@ -232,6 +235,7 @@ class Stage3:
     def _end_forward(self, check: bool = True) -> None:
         for unit in self.units:  # a forward that raised leaves users counted
             unit.users = 0
+        self._stack.clear()
         while self._saved_hooks:
             self._saved_hooks.pop().__exit__(None, None, None)
         if check:
@@ -318,6 +322,7 @@ class Stage3:
         unit.full = self._buffer(bucket.padded)
         unit.work = ds_comm.all_gather_bucket(unit.full, shard, group=self.group, async_op=True)
         self.gathers += 1
+        self._status(unit, ZeroParamStatus.INFLIGHT)
         if not unit.persistent:  # views of a persistent unit stay valid: autograd may keep them
             self._by_storage[unit.full.untyped_storage().data_ptr()] = unit
 
@@ -346,11 +351,18 @@ class Stage3:
             for p, shape, offset in zip(unit.params, unit.shapes, unit.offsets, strict=True):
                 p.data = unit.full[offset:offset + shape.numel()].view(shape)
             unit.pointed = True
+            self._status(unit, ZeroParamStatus.AVAILABLE)
 
     def _release_params(self, unit: Unit) -> None:
         for p in unit.params:
             p.data = self._empty
         unit.pointed = False
+        self._status(unit, ZeroParamStatus.NOT_AVAILABLE)
+
+    @staticmethod
+    def _status(unit: Unit, status: ZeroParamStatus) -> None:
+        for p in unit.params:
+            p.ds_status = status
 
     def release(self, unit: Unit) -> None:
         """Back to the shard only (a gather still in flight completes first: every rank issued it)."""
@@ -450,41 +462,6 @@ class Stage3:
         for work in works:
             work.wait()
 
-    # --------------------------------------------------------------------------- desync guard
-    def _check(self, code: int, gathers: list[int] = ()) -> None:
-        """All ranks must be at the same point and about to issue the same gathers (see `_start_check`)."""
-        self._verify(*self._start_check(code, gathers))
-
-    def _start_check(self, code: int, gathers: list[int]) -> tuple[Any, torch.Tensor, torch.Tensor]:
-        """Announce ``code`` (2 × the unit requested + 1 in backward, or an END) and the units about to
-        be gathered, on a group of its own. Only requests that gather announce (a request served by a
-        prefetch issues no collective), so a rank whose path differs is caught at its first gather
-        that differs, or at the end of the forward or backward, before any collective of other sizes."""
-        digest = 0
-        for u in gathers:
-            digest = (digest * 1_000_003 + u + 1) % (1 << 61)
-        mine = torch.tensor([code, len(gathers), digest], dtype=torch.int64)
-        everyone = torch.empty(3 * self.world_size, dtype=torch.int64)
-        work = ds_comm.all_gather_into_tensor(everyone, mine, group=self._check_group, async_op=True)
-        return work, everyone, mine
-
-    def _verify(self, work: Any, everyone: torch.Tensor, mine: torch.Tensor) -> None:
-        work.wait()
-        if bool((everyone.view(-1, 3) == mine).all()):
-            return
-        asked = "; ".join(f"rank {r}: {self._describe(int(c))}" for r, c in enumerate(everyone.view(-1, 3)[:, 0]))
-        raise RuntimeError(f"ZeRO stage 3: the ranks took different paths through the model ({asked}). Every rank "
-                           "must call the same modules in the same order (data-dependent branches must decide the "
-                           "same on every rank), since each module's parameters are gathered from all ranks")
-
-    def _describe(self, code: int) -> str:
-        if code == END_OF_FORWARD:
-            return "the end of the forward"
-        if code == END_OF_BACKWARD:
-            return "the end of the backward"
-        unit, backward = divmod(code, 2)
-        return f"the parameters of {self._names.get(unit, f'unit {unit}')!r} ({'backward' if backward else 'forward'})"
-
     # ------------------------------------------------------------------------- gather for users
     def hold(self, unit: Unit) -> None:
         """Gather ``unit`` and keep it whole until `unhold` (GatheredParameters)."""
@@ -529,6 +506,8 @@ class Stage3:
         for p in (p for unit in self.units for p in unit.params):
             if getattr(p, "_ds_stage3", (None,))[0] is self:
                 del p._ds_stage3
+                forget(p)  # whole again: no shard, no status (ds_id stays)
+        uninstall(self._modules)
 
     def empty_cache(self) -> None:
         """Release every unit not persistent, held or in use, and drop the pooled gather buffers."""
@@ -545,37 +524,6 @@ class Stage3:
     def pooled_bytes(self) -> int:
         """Bytes of released gather buffers kept for reuse."""
         return sum(t.numel() * t.element_size() for free in self._pool.values() for t in free)
-
-
-_check_groups: dict[tuple, Any] = {}
-
-
-def _check_group(group: Any) -> Any:
-    """A process group of ``group``'s ranks for the path checks alone. On the data group a check
-    would queue behind the gathers and reductions in flight (gloo runs a group's collectives in
-    order), making every request wait for them: 27% of a step on the §9 workload. Made once per
-    set of ranks (creating a group is a collective of every rank)."""
-    import torch.distributed as dist
-
-    ranks = tuple(dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size()))
-    key = (id(dist.distributed_c10d._get_default_group()), ranks)
-    if key not in _check_groups:
-        _check_groups[key] = ds_comm.new_group(list(ranks))
-    return _check_groups[key]
-
-
-def _tensors(value: Any) -> Iterator[torch.Tensor]:
-    """The tensors in a module's output (nested tuples, lists and dicts)."""
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (tuple, list)):
-        for item in value:
-            yield from _tensors(item)
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from _tensors(item)
-    elif hasattr(value, "to_tuple"):  # Hugging Face ModelOutput
-        yield from _tensors(value.to_tuple())
 
 
 def units_of(params: Iterable[nn.Parameter]) -> dict[Stage3, list[Unit]]:

@@ -20,12 +20,13 @@ class State:
         get ``{}`` and hold no copy (``stage3_gather_16bit_weights_on_model_save``)."""
         keep = not rank0_only or self.rank == 0
         whole: dict[int, torch.Tensor] = {}
-        if self._stage3 is not None:
-            for unit in self._stage3.units:
-                self._stage3.hold(unit)
+        frozen = getattr(self, "_frozen", None)  # stage 3's partitioned frozen parameters (ZeroOptimizer's)
+        for stage3 in (self._stage3, frozen.stage3 if frozen is not None else None):
+            for unit in stage3.units if stage3 is not None else ():
+                stage3.hold(unit)
                 if keep:
                     whole.update({id(p): p.detach().clone() for p in unit.params})
-                self._stage3.unhold(unit, None)
+                stage3.unhold(unit, None)
         if not keep:
             return {}
         return {name: whole[id(t)] if id(t) in whole else t.detach().clone()
@@ -46,6 +47,7 @@ class State:
         grads = [self._grads if self.stage < 2 else self._partition, self._master_grads]
         gathered = self._stage3.held_bytes() if self._stage3 is not None else 0  # stage 3: whole units now
         partition = self._flat.untyped_storage().nbytes()  # 0 when the parameters are on NVMe
+        partition += self._frozen.nbytes() if self._frozen is not None else 0  # stage 3's frozen parameters
         out = {"params": partition + gathered, "grads": size(grads), "master": size([self._master]),
                "optimizer": size(t for state in self.optimizer.state.values() for t in state.values()),
                "buffers": size([*self._bucket_buffers, *self._received]) +

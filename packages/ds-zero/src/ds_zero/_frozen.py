@@ -1,0 +1,136 @@
+"""Frozen parameters (``requires_grad=False``) under `ZeroOptimizer` at stage 3: partitioned as DeepSpeed
+partitions them.
+
+ZeRO steps only the trainable parameters; at stages 0-2 a frozen parameter stays whole on every rank
+(as in DeepSpeed, which keeps it out of its flat groups). At stage 3 DeepSpeed partitions every
+parameter, frozen or not; so does `FrozenShards`: the frozen parameters get a flat partition of their
+own, laid out and filled as `ZeroInference` lays out a model without an optimizer (one unit per module
+that owns frozen parameters, each rank keeping one shard of each), and a `Stage3` of their own gathers
+a module's frozen units around its forward (and backward, where autograd needs them) and releases them
+after. Nothing here has gradients: the units are never reduced, only gathered.
+
+The two `Stage3`s of one model share autograd's saved-tensor hooks (only the innermost pair applies):
+the frozen one's, pushed after the trainable one's, saves a view of either's gathered buffer as a
+reference to its unit, so releasing frees the memory and backward gathers it again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+import ds_comm
+
+from ._inference import ZeroInference
+from ._layout import FlatLayout
+from ._model import full_shape
+from ._stage3 import Stage3, plan_units
+
+
+def partitioned_frozen(model: nn.Module, stage: int, dtype: torch.dtype, managed: set[int]) -> list[nn.Parameter]:
+    """The parameters stage 3 partitions besides the trainable ones: every frozen floating-point
+    parameter of the training dtype (after the 16-bit cast); none below stage 3."""
+    if stage < 3:
+        return []
+    seen: set[int] = set()
+    out = []
+    for p in model.parameters():
+        if id(p) in seen or id(p) in managed or p.requires_grad:
+            continue
+        seen.add(id(p))
+        if p.dtype == dtype or (p.is_floating_point() and hasattr(p, "ds_init_shard")):
+            out.append(p)
+    return out
+
+
+@dataclass(frozen=True)
+class _PeerSaved:
+    """A saved tensor the trainable `Stage3` packed (a reference to one of its units)."""
+
+    inner: Any
+
+
+class _FrozenStage3(Stage3):
+    """`Stage3` over the frozen units: also packs the trainable `Stage3`'s saved views (its hooks are
+    the innermost), and in backward releases the frozen unit it gathered last when it gathers another
+    (there is no gradient reduction to release it; a unit released too early is gathered again when
+    autograd unpacks it)."""
+
+    peer: Stage3 | None = None
+    _last_backward: int | None = None
+
+    def _pack(self, tensor: torch.Tensor) -> Any:
+        saved = super()._pack(tensor)
+        if saved is tensor and self.peer is not None:
+            other = self.peer._pack(tensor)
+            return tensor if other is tensor else _PeerSaved(other)
+        return saved
+
+    def _unpack(self, saved: Any) -> torch.Tensor:
+        if isinstance(saved, _PeerSaved):
+            return self.peer._unpack(saved.inner)
+        return super()._unpack(saved)
+
+    def _backward_request(self, unit) -> None:
+        last = self._last_backward
+        if last is not None and last != unit.index:
+            self.release(self.units[last])
+        self._last_backward = unit.index
+        super()._backward_request(unit)
+
+    def after_backward(self) -> None:
+        self._last_backward = None
+        super().after_backward()
+
+
+class FrozenShards:
+    """The frozen parameters of a stage-3 model, partitioned (see the module docstring)."""
+
+    def __init__(self, model: nn.Module, params: list[nn.Parameter], config: Any, group: Any, dtype: torch.dtype,
+                 peer: Stage3):
+        self.params, self.group, self.dtype = params, group, dtype
+        self.world_size, self.rank = ds_comm.get_world_size(group), ds_comm.get_rank(group)
+        units, hooked = plan_units(model, params)
+        self.layout = FlatLayout([full_shape(p) for p in params], world_size=self.world_size, bucket_size=1,
+                                 groups=[members for _, members in units])
+        starts = self.layout.partition_offsets()
+        self._partition = torch.zeros(self.layout.shard_numel, dtype=dtype)
+        ZeroInference._fill(self, params, starts)  # (whole or built under Init: this rank's shards, then released)
+        self.stage3 = _FrozenStage3(model, params, self.layout, [name for name, _ in units], hooked,
+                                    self._partition, starts, config, group, lambda *_: None)
+        self.stage3.peer = peer
+        for unit in self.stage3.units:  # DeepSpeed's flag, as for the trainable units
+            for p in unit.params:
+                p.ds_persist = unit.persistent
+
+    def whole(self) -> dict[int, torch.Tensor]:
+        """Every frozen parameter's whole value, a copy (a collective: one unit gathered at a time)."""
+        out: dict[int, torch.Tensor] = {}
+        for unit in self.stage3.units:
+            self.stage3.hold(unit)
+            out.update({id(p): p.detach().clone() for p in unit.params})
+            self.stage3.unhold(unit, None)
+        return out
+
+    def load_whole(self, values: dict[int, torch.Tensor]) -> None:
+        """Set frozen parameters from whole values (``{id(parameter): value}``, the same on every rank):
+        this rank's shards are written, and units gathered now take the new values."""
+        starts = self.stage3.shard_starts
+        for unit in self.stage3.units:
+            lo = unit.bucket.offset + self.rank * unit.bucket.shard
+            shard = self._partition[starts[unit.index]:starts[unit.index] + unit.bucket.shard]
+            for p, shape, offset in zip(unit.params, unit.shapes, unit.offsets, strict=True):
+                if id(p) not in values:
+                    continue
+                flat = values[id(p)].reshape(-1)
+                start = unit.bucket.offset + offset
+                a, b = max(lo, start), min(lo + unit.bucket.shard, start + shape.numel())
+                if a < b:
+                    shard[a - lo:b - lo].copy_(flat[a - start:b - start])
+        self.stage3.after_step()
+
+    def nbytes(self) -> int:
+        return self._partition.numel() * self._partition.element_size() + self.stage3.held_bytes()

@@ -1,0 +1,91 @@
+"""DeepSpeed's attributes of a ZeRO-3 parameter, and its ``_parameters`` dict that gathers on access.
+
+A partitioned parameter is empty (``numel() == 0``) and carries, as in DeepSpeed:
+
+* ``ds_shape``, ``ds_numel``: its whole shape and element count;
+* ``ds_tensor``: this rank's part of it. Under `Init` that is DeepSpeed's shard, ``ceil(ds_numel /
+  world)`` elements: rank r's slice of the flattened parameter, zero-padded at the end. Once
+  `ZeroOptimizer` or `ZeroInference` took the model it is a view of their flat partition: the elements
+  of the parameter in this rank's shard of its module's unit (ds shards a module's parameters
+  together), so the optimizer's updates show in it (an empty placeholder with parameters on NVMe,
+  where the shard is on disk). ``ds_tensor.ds_numel`` is the shard's element count in every case;
+* ``ds_status``: `ZeroParamStatus` (``NOT_AVAILABLE`` partitioned, ``INFLIGHT`` being gathered,
+  ``AVAILABLE`` whole here);
+* ``ds_id``: a number unique to the parameter in this process, given in creation order;
+* ``ds_persist``: whole on every rank throughout (its unit is below ``stage3_param_persistence_threshold``).
+"""
+
+from __future__ import annotations
+
+import itertools
+from enum import Enum
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class ZeroParamStatus(Enum):
+    """Where a ZeRO-3 parameter's values are (DeepSpeed's enum, same members and values)."""
+
+    AVAILABLE = 1  # whole on this rank
+    NOT_AVAILABLE = 2  # partitioned: this rank holds its shard only
+    INFLIGHT = 3  # being gathered
+
+
+_ids = itertools.count()
+
+
+def give_id(p: torch.Tensor) -> None:
+    """``p.ds_id``, once: the next number of this process."""
+    if not hasattr(p, "ds_id"):
+        p.ds_id = next(_ids)
+
+
+def set_shard(p: torch.Tensor, shard: torch.Tensor, numel: int | None = None) -> None:
+    """``p.ds_tensor = shard`` with DeepSpeed's ``ds_tensor.ds_numel`` (its elements, or ``numel`` where
+    the shard is elsewhere: an empty placeholder for a shard on NVMe)."""
+    shard.ds_numel = shard.numel() if numel is None else numel
+    p.ds_tensor = shard
+
+
+def forget(p: torch.Tensor) -> None:
+    """``p`` is whole for good: the attributes of a partitioned parameter go (``ds_id`` stays)."""
+    for key in ("ds_tensor", "ds_status", "ds_shape", "ds_numel", "ds_persist"):
+        if hasattr(p, key):
+            delattr(p, key)
+
+
+class GatheringParameters(dict):
+    """A module's ``_parameters`` while stage 3 manages it (DeepSpeed's ``ZeROOrderedDict``): reading a
+    partitioned parameter while a forward of its model runs (``self.embed.weight`` in another module's
+    forward: a tied LM head) makes it an external parameter of the running module and gathers it, so
+    it is whole for that module's forward and released with it (and gathered by that module from then
+    on, as `register_external_parameter` would)."""
+
+    def __getitem__(self, key: str) -> Any:
+        param = dict.__getitem__(self, key)
+        owner = getattr(param, "_ds_stage3", None) if param is not None else None
+        if owner is not None:
+            owner[0].fetch_external(param)
+        return param
+
+    def __reduce__(self):  # a deep copy or pickle of the module gets a plain dict
+        return dict, (dict(self),)
+
+
+def install(modules: list[nn.Module]) -> None:
+    for module in modules:
+        params = module.__dict__.get("_parameters")
+        if isinstance(params, dict) and not isinstance(params, GatheringParameters):
+            module.__dict__["_parameters"] = GatheringParameters(params)
+
+
+def uninstall(modules: list[nn.Module]) -> None:
+    """Plain dicts again, where no parameter of the module is managed any more (another `Stage3` of
+    the model, over its frozen parameters, may still manage some)."""
+    for module in modules:
+        params = module.__dict__.get("_parameters")
+        if isinstance(params, GatheringParameters) and not any(
+                hasattr(p, "_ds_stage3") for p in dict.values(params) if p is not None):
+            module.__dict__["_parameters"] = dict(params)
