@@ -39,7 +39,8 @@ def _zero_section(stage: int) -> dict:
 def _config(stage: int, **extra) -> dict:
     return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01, "torch_adam": True}},
-            "zero_optimization": _zero_section(stage), "steps_per_print": 1000, **extra}
+            "zero_optimization": _zero_section(stage), "steps_per_print": 1000,
+            "gradient_clipping": 0.0, **extra}  # unclipped unless a test asks (DeepSpeed's default: 1.0)
 
 
 def engine_matches_zero_and_ddp(rank, world_size, stage):
@@ -107,7 +108,7 @@ def client_optimizer_and_schedule(rank, world_size, kind):
     else:
         def schedule(optimizer):
             return torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
-    config = {"train_batch_size": MICRO * world_size, "zero_optimization": {"stage": 1}}
+    config = {"train_batch_size": MICRO * world_size, "zero_optimization": {"stage": 1}, "gradient_clipping": 0}
     engine, optimizer, _, scheduler = ds_all.initialize(model=model, optimizer=client, lr_scheduler=schedule,
                                                         config=config)
     assert optimizer.optimizer is client  # rebound to ZeRO's buffers, the same object
@@ -145,7 +146,7 @@ def groups_drive_zero(rank, world_size, kind):
     def schedule(optimizer):
         return torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
 
-    config = {"train_batch_size": MICRO * world_size, "zero_optimization": {"stage": 2}}
+    config = {"train_batch_size": MICRO * world_size, "zero_optimization": {"stage": 2}, "gradient_clipping": 0}
     if kind == "client optimizer":
         client = torch.optim.AdamW(_groups(model), lr=1e-2)
         engine, optimizer, _, _ = ds_all.initialize(model=model, optimizer=client, lr_scheduler=schedule, config=config)

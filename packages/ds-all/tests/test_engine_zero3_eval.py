@@ -23,21 +23,24 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(IN, HIDDEN), nn.GELU(), nn.Linear(HIDDEN, HIDDEN), nn.GELU(), nn.Linear(HIDDEN, OUT))
 
 
-def _config(threshold: int | None) -> dict:
+def _config(threshold: int | None, offload_param: str | None = None) -> dict:
     zero = {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True}
+    if offload_param is not None:
+        zero["offload_param"] = {"device": offload_param, "pin_memory": True}
     if threshold is not None:
         zero["stage3_param_persistence_threshold"] = threshold
     return {"train_micro_batch_size_per_gpu": 1, "zero_optimization": zero}
 
 
-def evaluate(rank, world_size, use_init, threshold, path):
+def evaluate(rank, world_size, use_init, threshold, path, offload_param=None):
     reference = _model()
+    config = _config(threshold, offload_param)
     if use_init:
-        with ds_zero.Init():
+        with ds_zero.Init(config_dict_or_path=config):
             model = _model()
     else:
         model = copy.deepcopy(reference)
-    engine, optimizer, _, scheduler = ds_all.initialize(model=model, config=_config(threshold))
+    engine, optimizer, _, scheduler = ds_all.initialize(model=model, config=config)
     x = torch.randn(3, IN, generator=torch.Generator().manual_seed(rank))
     engine.eval()
     with torch.no_grad():
@@ -86,6 +89,15 @@ def test_zero3_engine_without_optimizer_evaluates_the_partitioned_model(use_init
     expected = _model().state_dict()
     assert saved.keys() == expected.keys()
     assert all(torch.equal(saved[k], expected[k]) for k in expected)
+
+
+@pytest.mark.parametrize("use_init", [False, True], ids=["plain", "init"])
+def test_zero3_engine_without_optimizer_with_parameters_offloaded_to_the_cpu(use_init, tmp_path):
+    # offload_param {device: cpu} (DeepSpeed's ZeRO-Offload of parameters): the same outputs as the plain model
+    for result in spawn(evaluate, world_size=2, args=(use_init, 0, str(tmp_path), "cpu")):
+        assert result["equal"] == [True, True, True]
+        assert result["held"] == [0] * 6
+        assert result["gathered"] and result["whole"] and result["saved"]
 
 
 def test_zero3_engine_without_optimizer_with_persistent_units(tmp_path):

@@ -45,7 +45,8 @@ def engine_vs_direct(rank, world_size, section):
     engine, *_ = ds_all.initialize(model=model, config=_config(section))
     cls = {"OneBitAdam": OneBitAdam, "ZeroOneAdam": ZeroOneAdam, "OneBitLamb": OneBitLamb}[section["type"]]
     options = {k: v for k, v in section["params"].items() if k != "comm_backend_name"}
-    zero = ZeroOptimizer(direct, lambda tensors: cls(tensors, **options), config={"stage": 0})
+    # the engine clips at DeepSpeed's default gradient_clipping, 1.0 (each rank its local gradients)
+    zero = ZeroOptimizer(direct, lambda tensors: cls(tensors, **options), config={"stage": 0}, gradient_clipping=1.0)
     sent = []
     for step in range(STEPS):
         x, y = _batch(step, rank)

@@ -1,5 +1,6 @@
 """initialize() with a ds_pipe.PipelineModule: the PipelineEngine trains like the unsplit model under
-ZeRO 0-2 (2 stages x 2 data-parallel replicas), with every schedule; what it refuses."""
+ZeRO 0-2 (2 stages x 2 data-parallel replicas), with every schedule, clipping by the whole model's gradient
+norm; what it refuses."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from torch import nn
 from ds_comm.testing import free_port, spawn
 
 D, ROWS, MICRO_BATCHES, STEPS, LR = 12, 3, 4, 3, 0.05
+CLIP = 0.05  # below the gradients' norm: every step clips, by the whole model's norm (all stages)
 
 
 def layer_specs():
@@ -44,6 +46,7 @@ def reference(replicas: int) -> tuple[list[float], list[list[float]]]:
                 loss = F.mse_loss(model(x), y)
                 (loss / (MICRO_BATCHES * replicas)).backward()
                 total += loss.item()
+        assert torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP) > CLIP
         optimizer.step()
         optimizer.zero_grad()
         losses.append(total / (MICRO_BATCHES * replicas))
@@ -57,7 +60,7 @@ def train(rank, world, stage, schedule):
                             partition_method="uniform")
     config = {"train_micro_batch_size_per_gpu": ROWS, "gradient_accumulation_steps": MICRO_BATCHES,
               "optimizer": {"type": "SGD", "params": {"lr": LR}}, "zero_optimization": {"stage": stage},
-              "pipeline": {"schedule": schedule}, "steps_per_print": 1000}
+              "pipeline": {"schedule": schedule}, "steps_per_print": 1000, "gradient_clipping": CLIP}
     engine, *_ = ds_all.initialize(model=module, config=config)
     assert type(engine).__name__ == "PipelineEngine" and engine.train_batch_size() == ROWS * MICRO_BATCHES * 2
     replica = module.mpu().get_data_parallel_rank()

@@ -9,6 +9,9 @@ then renamed into place; ``latest`` is replaced last, atomically. A save killed 
 the previous tag loadable and ``latest`` naming it; a partial tag is never loaded. ``async_save=True``
 copies what is written, returns, and writes in a background thread (the rename and ``latest`` there too,
 once every rank's files are written); the next save, a load or `wait_checkpoint` waits for it.
+
+A tag directory DeepSpeed wrote (no ``engine_meta.json``, DeepSpeed's ``*model_states.pt``) loads through
+`_deepspeed_checkpoint`; with ``checkpoint.load_universal`` the default tag is what ``latest_universal`` names.
 """
 
 from __future__ import annotations
@@ -25,7 +28,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 import ds_comm
-from ds_zero import SafeReader, load_zero_checkpoint, save_zero_checkpoint
+from ds_zero import SafeReader, is_deepspeed_checkpoint, load_zero_checkpoint, save_zero_checkpoint
+
+from ._deepspeed_checkpoint import LATEST_UNIVERSAL, load_deepspeed
 
 if TYPE_CHECKING:
     from ._engine import DeepSpeedEngine
@@ -222,10 +227,12 @@ def _scheduler_state(engine: DeepSpeedEngine) -> Any:
     return state
 
 
-def _resolve_tag(root: Path, tag: str | None) -> str | None:
+def _resolve_tag(root: Path, tag: str | None, universal: bool = False) -> str | None:
     if tag is not None:
         return _check_tag(tag)
     latest = root / LATEST
+    if universal and (root / LATEST_UNIVERSAL).exists():  # checkpoint.load_universal: DeepSpeed's universal tag
+        latest = root / LATEST_UNIVERSAL
     if not latest.exists():
         return None
     return _check_tag(latest.read_text().strip())
@@ -237,11 +244,14 @@ def load_checkpoint(engine: DeepSpeedEngine, load_dir: Any, tag: str | None = No
     zero = engine._require_optimizer("load_checkpoint")
     wait_checkpoint(engine)
     root = Path(load_dir)
-    tag = _resolve_tag(root, tag)
+    tag = _resolve_tag(root, tag, engine.config.checkpoint.load_universal)
     if tag is None:
         logger.warning("load_checkpoint: %s has no '%s' file and no tag was given; nothing loaded", root, LATEST)
         return None, None
     path = root / tag
+    if not (path / META_FILE).exists() and is_deepspeed_checkpoint(path):  # written by DeepSpeed itself
+        return load_deepspeed(engine, zero, path, load_module_strict, load_optimizer_states,
+                              load_lr_scheduler_states, load_module_only)
     if not (path / META_FILE).exists():
         if (root / f".{tag}.partial").exists():
             raise FileNotFoundError(f"load_checkpoint: {path} was never completed (its save was interrupted: "

@@ -26,15 +26,22 @@ def _groups(model_parameters: Any) -> list[dict[str, Any]]:
                      f"groups (dicts with 'params'), got a list of {sorted({type(i).__name__ for i in items})}")
 
 
+def _trainable_only(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The groups without their frozen parameters (``requires_grad=False``): DeepSpeed's ZeRO leaves them
+    out of its groups (they are never stepped); a group left empty is kept, with its options."""
+    return [dict(group, params=[p for p in group["params"] if p.requires_grad]) for group in groups]
+
+
 def _check_groups(groups: list[dict[str, Any]], trainable: list[torch.Tensor], what: str) -> list[dict[str, Any]] | None:
-    """The groups ZeRO is given: None for one group without options of its own (the optimizer's
-    defaults apply), else ``groups``."""
+    """The groups ZeRO is given (their frozen parameters left out): None for one group without options of
+    its own (the optimizer's defaults apply), else the groups."""
+    groups = _trainable_only(groups)
     given = {id(p) for group in groups for p in group["params"]}
     wanted = {id(p) for p in trainable}
     if not given <= wanted or not given:
         raise ValueError(f"initialize: {what} hold {len(given & wanted)} of the model's {len(wanted)} trainable "
                          f"parameters and {len(given - wanted)} others; ZeRO optimizes trainable parameters of the "
-                         "model (requires_grad=True) only, and at least one")
+                         "model (requires_grad=True; frozen ones are left out) only, and at least one")
     # a trainable parameter in no group is not optimized (it keeps its value), as in DeepSpeed
     if len(groups) == 1 and set(groups[0]) == {"params"} and given == wanted:
         return None
@@ -42,8 +49,9 @@ def _check_groups(groups: list[dict[str, Any]], trainable: list[torch.Tensor], w
 
 
 def model_parameter_groups(model_parameters: Any, trainable: list[torch.Tensor]) -> list[dict[str, Any]] | None:
-    """``model_parameters`` must be the model's trainable parameters; their groups, as ZeRO takes them
-    (None: one group without options)."""
+    """``model_parameters`` must be parameters of the model, trainable ones among them (frozen ones are
+    accepted and left out, as DeepSpeed's ZeRO leaves them out); their groups, as ZeRO takes them (None:
+    one group without options)."""
     return _check_groups(_groups(model_parameters), trainable, "model_parameters")
 
 
@@ -56,6 +64,7 @@ def rebinder(optimizer: torch.optim.Optimizer, trainable: list[torch.Tensor]
         raise ValueError("initialize: the optimizer has state already (it was stepped); pass a fresh optimizer")
     groups = [dict(group) for group in optimizer.param_groups if group["params"]]  # DeepSpeed drops empty ones
     _check_groups(groups, trainable, "the optimizer's parameter groups")
+    groups = _trainable_only(groups)  # its frozen parameters are not stepped (DeepSpeed's ZeRO drops them)
     covered = sum(len(group["params"]) for group in groups)
     zero_groups = groups if len(groups) > 1 or covered < len(trainable) else None
     options = {k: v for k, v in groups[0].items() if k != "params"}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import logging
+from collections import OrderedDict
 from contextlib import contextmanager
 from typing import Any
 
@@ -175,6 +176,29 @@ class EngineAPI(EngineGetters):
                 if not p.requires_grad:
                     state.pop(prefix + name, None)
         return state
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict | None:
+        """DeepSpeed's (Accelerate's ``get_state_dict`` and Transformers' ``Trainer.save_model`` call it at
+        stage 3): the module's state dict with every parameter whole, in its training dtype, on rank 0,
+        tied parameters one tensor under each name; ``None`` on the other ranks. Every rank calls it."""
+        partitioned = self.zero if self.zero is not None else self._zero_inference
+        if self.config.zero_optimization.stage != 3 or partitioned is None:
+            raise ValueError("_zero3_consolidated_16bit_state_dict needs ZeRO stage 3, this engine runs stage "
+                             f"{self.config.zero_optimization.stage}: use module.state_dict()")
+        state = partitioned.full_state_dict()
+        if self.global_rank != 0:
+            return None
+        frozen = {n for n, p in self.module.named_parameters(remove_duplicate=False) if not p.requires_grad} \
+            if exclude_frozen_parameters else set()
+        return OrderedDict((k, v) for k, v in state.items() if k not in frozen)
+
+    def _consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict | None:
+        """DeepSpeed's: `_zero3_consolidated_16bit_state_dict` at stage 3 (the one case of partitioned weights
+        ds builds; tensor parallelism is not); a ValueError otherwise, as DeepSpeed's."""
+        if self.config.zero_optimization.stage != 3:
+            raise ValueError("_consolidated_16bit_state_dict is for partitioned weights (ZeRO stage 3), this engine "
+                             f"runs stage {self.config.zero_optimization.stage}")
+        return self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters)
 
     def load_module_state_dict(self, checkpoint: dict, strict: bool = True, custom_load_fn: Any = None,
                                fetch_z3_params: bool = False, z3_params_to_fetch: Any = None,

@@ -92,8 +92,10 @@ class PipelineEngine(DeepSpeedEngine):
         # the executor accumulates the micro-batches (some weight gradients arrive outside autograd:
         # zero-bubble), then asks ZeRO to reduce once, after the tied gradients are summed
         # and a tied module's untied parameters get names of their own stage in checkpoints
+        # the gradient norm clipped is the whole model's: every stage's gradients count
         return {"gradient_accumulation_steps": 1, "reduce_in_backward": False,
-                "checkpoint_names": self._checkpoint_names}
+                "checkpoint_names": self._checkpoint_names,
+                "model_parallel_group": self.mpu.get_pipe_parallel_group()}
 
     # -- the executor's hooks ---------------------------------------------------------------------
     def _backward(self, tensors: list[torch.Tensor], grads: list) -> None:

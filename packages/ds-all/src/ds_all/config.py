@@ -13,7 +13,9 @@ not implement are accepted while disabled and refused, by name, when enabled.
 from __future__ import annotations
 
 import logging
+import math
 import os
+import sys
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
@@ -72,8 +74,10 @@ class Config(Section):
     optimizer: OptimizerConfig | None = Field(None, description="The optimizer built by initialize().")
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig, description="The learning-rate schedule "
                                        "built by initialize().")
-    gradient_clipping: float = Field(0.0, ge=0.0, description="Maximum global gradient norm (0: off).")
-    steps_per_print: int = Field(10, gt=0, description="Print progress every this many optimizer steps.")
+    gradient_clipping: float = Field(1.0, ge=0.0, description="Maximum global gradient norm (0: off); "
+                                     "DeepSpeed 0.19's default, 1.0, clips when the key is absent.")
+    steps_per_print: int = Field(10, gt=0, description="Print progress every this many optimizer steps (inf, "
+                                 "which Accelerate writes: never).")
     wall_clock_breakdown: bool = Field(False, description="Time forward, backward, step and reductions.")
     dump_state: bool = Field(False, description="Print the engine's state after initialisation.")
     prescale_gradients: bool = Field(False, description="Divide gradients before the reduction instead of after.")
@@ -120,6 +124,12 @@ class Config(Section):
     tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig, description="AutoTP "
                                                   "(refused above size 1).")
     compile: CompileConfig = Field(default_factory=CompileConfig, description="DeepCompile (refused when on).")
+
+    @field_validator("steps_per_print", mode="before")
+    @classmethod
+    def _never(cls, value: Any) -> Any:
+        # Accelerate writes float("inf") to silence DeepSpeed's progress lines: no step is a multiple of it
+        return sys.maxsize if isinstance(value, float) and value == math.inf else value
 
     @field_validator("gradient_allreduce_op", "log_level")
     @classmethod
@@ -202,6 +212,22 @@ class Config(Section):
         if isinstance(config, cls):
             return config
         return cls.model_validate(load_ds_config(config))
+
+    # DeepSpeed's ``engine.config`` is the config dict as given: Transformers' Trainer and Accelerate read it
+    # with ``engine.config.get("zero_optimization", {}).get("stage")`` and ``"key" in engine.config``.
+    def as_dict(self) -> dict[str, Any]:
+        """The keys given (after ``"auto"`` values were resolved), by DeepSpeed's names, as a new dict."""
+        return self.model_dump(by_alias=True, exclude_unset=True)
+
+    def __getitem__(self, key: str) -> Any:
+        return self.as_dict()[key]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.as_dict()
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """``config.get(key, default)`` as on DeepSpeed's config dict: the value given for ``key``."""
+        return self.as_dict().get(key, default)
 
     def batch_triad(self, dp_world_size: int) -> tuple[int, int, int]:
         """``(train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps)`` for

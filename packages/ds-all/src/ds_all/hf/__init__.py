@@ -10,6 +10,9 @@ triad from ``per_device_train_batch_size``, ``gradient_accumulation_steps`` and 
 sizes from the model's hidden size. A value written explicitly that disagrees with the arguments is an
 error listing every such pair (the Trainer refuses them too); nothing is guessed where an input is
 missing: the key is named instead.
+
+A Hugging Face ``Trainer`` script (``TrainingArguments(deepspeed="ds_config.json")``) runs on ds with one
+line added before its Transformers imports, ``import ds_all.hf.trainer`` (see `ds_all.hf.trainer`).
 """
 
 from __future__ import annotations
