@@ -87,7 +87,8 @@ def run(rank: int, world_size: int, kind: str, stage: int, gas: int, steps: int,
     else:
         config = {"train_micro_batch_size_per_gpu": work.MICRO_BATCH, "gradient_accumulation_steps": gas,
                   "optimizer": {"type": "AdamW", "params": {**ADAMW, "torch_adam": True}},
-                  "zero_optimization": {"stage": stage}, "steps_per_print": 10**9}
+                  "zero_optimization": {"stage": stage}, "steps_per_print": 10**9,
+                  "gradient_clipping": 0}  # as ds-zero direct and DDP: no clipping (DeepSpeed's default is 1.0)
         engine, *_ = ds_all.initialize(model=model, config=config)
         setup = time.perf_counter() - start
 
@@ -120,7 +121,8 @@ def run_interleaved(rank: int, world_size: int, stage: int, gas: int, steps: int
     direct = copy.deepcopy(model)
     config = {"train_micro_batch_size_per_gpu": work.MICRO_BATCH, "gradient_accumulation_steps": gas,
               "optimizer": {"type": "AdamW", "params": {**ADAMW, "torch_adam": True}},
-              "zero_optimization": {"stage": stage}, "steps_per_print": 10**9}
+              "zero_optimization": {"stage": stage}, "steps_per_print": 10**9,
+              "gradient_clipping": 0}  # as ds-zero direct and DDP: no clipping (DeepSpeed's default is 1.0)
     engine, *_ = ds_all.initialize(model=model, config=config)
     zero = ZeroOptimizer(direct, torch.optim.AdamW, optimizer_kwargs=ADAMW, config={"stage": stage},
                          gradient_accumulation_steps=gas)
