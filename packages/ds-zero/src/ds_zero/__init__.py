@@ -24,7 +24,12 @@ from ._estimate import (
                         estimate_zero3_model_states_mem_needs_all_live,
                         estimate_zero_model_states_mem_needs,
 )
-from ._export import get_fp32_state_dict_from_zero_checkpoint, load_state_dict_from_zero_checkpoint
+from ._export import (
+                        convert_zero_checkpoint_to_fp32_state_dict,
+                        convert_zero_checkpoint_to_state_dict,
+                        get_fp32_state_dict_from_zero_checkpoint,
+                        load_state_dict_from_zero_checkpoint,
+)
 from ._inference import ZeroInference
 from ._init import (
                         GatheredParameters,
@@ -67,7 +72,9 @@ __all__ = ["BF16Config", "CreateLossScaler", "DynamicLossScaler", "FP16Config", 
            "LossScaler", "LossScalerBase", "OffloadDeviceEnum", "OffloadOptimizerConfig", "OffloadParamConfig",
            "OffloadStateTypeEnum", "OneBitAdam", "OneBitLamb", "SafeReader",
            "ZeRORuntimeException", "ZeroConfig", "ZeroInference", "ZeroOneAdam",
-           "ZeroOptimizer", "ZeroParamStatus", "__version__", "estimate_zero2_model_states_mem_needs_all_cold",
+           "ZeroOptimizer", "ZeroParamStatus", "__version__",
+           "convert_zero_checkpoint_to_fp32_state_dict", "convert_zero_checkpoint_to_state_dict",
+           "estimate_zero2_model_states_mem_needs_all_cold",
            "estimate_zero2_model_states_mem_needs_all_live", "estimate_zero3_model_states_mem_needs_all_cold",
            "estimate_zero3_model_states_mem_needs_all_live", "estimate_zero_model_states_mem_needs",
            "get_fp32_state_dict_from_zero_checkpoint", "is_deepspeed_checkpoint", "load_deepspeed_checkpoint",

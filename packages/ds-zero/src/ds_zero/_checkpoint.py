@@ -93,6 +93,7 @@ class _Parts:
     shapes: dict[str, list[int]]
     others: set[str]  # every group's buffers and frozen parameters (``module/<name>``)
     excluded_frozen: list[str]
+    frozen: list[str]  # every group's frozen parameters
     not_mine: set[str]  # parameters this group holds but another (of a lower rank) writes
 
 
@@ -103,20 +104,21 @@ def _parts(zero: ZeroOptimizer, exclude_frozen: bool = False) -> _Parts | None:
     if zero.world_size == world:
         return None
     mine = (_world_rank(zero, 0), _names(zero), [list(s.shape) for s in zero.layout.slots],
-            sorted(_other_entries(zero, values=False)), _frozen_names(zero) if exclude_frozen else [])
+            sorted(_other_entries(zero, values=False)), _frozen_names(zero))
     gathered: list[Any] = [None] * world
     torch.distributed.all_gather_object(gathered, mine)
     writer: dict[str, int] = {}
     shapes: dict[str, list[int]] = {}
     others: set[str] = set()
-    excluded: list[str] = []
+    every_frozen: list[str] = []
     for first, names, group_shapes, group_others, frozen in sorted({g[0]: g for g in gathered}.values()):
         for name, shape in zip(names, group_shapes, strict=True):
             writer.setdefault(name, first)
             shapes.setdefault(name, shape)
         others.update(group_others)
-        excluded += [n for n in frozen if n not in excluded]
-    return _Parts(list(writer), shapes, others, excluded, {n for n in mine[1] if writer[n] != mine[0]})
+        every_frozen += [n for n in frozen if n not in every_frozen]
+    return _Parts(list(writer), shapes, others, every_frozen if exclude_frozen else [], every_frozen,
+                  {n for n in mine[1] if writer[n] != mine[0]})
 
 
 def _pieces_by_param(zero: ZeroOptimizer) -> dict[int, list[tuple[int, int, int]]]:
@@ -240,7 +242,8 @@ def _load_frozen(zero: ZeroOptimizer, loaded: dict[str, Any]) -> None:
 
 def _frozen_names(zero: ZeroOptimizer) -> list[str]:
     trainable = {id(p) for p in zero._params}
-    return [_saved_name(zero, name) for name, p in zero.model.named_parameters() if id(p) not in trainable]
+    return [_saved_name(zero, name) for name, p in zero.model.named_parameters()
+            if id(p) not in trainable and not p.requires_grad]
 
 
 def _nvme_entries(zero: ZeroOptimizer) -> NvmeEntries | None:
@@ -276,12 +279,15 @@ def zero_metadata(zero: ZeroOptimizer, exclude_frozen_parameters: bool = False,
     groups = [{k: v for k, v in g.items() if k != "params"} for g in zero.optimizer.param_groups]
     if parts is None:
         names, shapes = _names(zero), [list(s.shape) for s in zero.layout.slots]
-        excluded = _frozen_names(zero) if exclude_frozen_parameters else []
+        frozen = _frozen_names(zero)
+        excluded = frozen if exclude_frozen_parameters else []
     else:
         names, shapes, excluded = parts.names, [parts.shapes[n] for n in parts.names], parts.excluded_frozen
+        frozen = parts.frozen
     return {"format": FORMAT, "zero_stage": zero.stage, "world_size": zero.world_size, "precision": zero.precision,
             "optimizer": type(zero.optimizer).__name__, "param_groups": groups,
-            "names": names, "shapes": shapes, "excluded_frozen": excluded, "shared_params": _shared_params(zero),
+            "names": names, "shapes": shapes, "excluded_frozen": excluded, "frozen": frozen,
+            "shared_params": _shared_params(zero),
             "micro_step": zero._micro_step, "skipped_steps": zero.skipped_steps,
             "loss_scaler": zero.scaler.state_dict() if zero.scaler is not None else None}
 

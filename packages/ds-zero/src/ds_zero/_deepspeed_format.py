@@ -456,7 +456,7 @@ class DeepSpeedReader(StorageReader):
         return done
 
 
-def fp32_state_dict(path: Any) -> dict[str, torch.Tensor]:
+def fp32_state_dict(path: Any, exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor]:
     """What DeepSpeed's ``zero_to_fp32`` makes of a DeepSpeed tag directory: the buffers (floating ones in
     float32), the frozen parameters, the float32 weights, then a tied parameter's other names. It also
     reads what DeepSpeed's refuses: stage 1 bf16 (BF16_Optimizer's files), stage 0 (the module's
@@ -469,7 +469,7 @@ def fp32_state_dict(path: Any) -> dict[str, torch.Tensor]:
         if name in state.module:
             t = state.module[name]
             out[name] = t.float() if t.is_floating_point() else t
-    for name in state.frozen_names:
+    for name in [] if exclude_frozen_parameters else state.frozen_names:
         out[name] = state.module[name]
     for name in state.names:
         out[name] = state.master[name].view(state.shapes[name])

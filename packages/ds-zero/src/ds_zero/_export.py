@@ -42,13 +42,17 @@ def _tag_dir(checkpoint_dir: Any, tag: str | None) -> Path:
     return path
 
 
-def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: Any, tag: str | None = None) -> OrderedDict:
-    """The model's full state dict (float32 parameters from the master copy, buffers as saved) from a
-    checkpoint of any world size and ZeRO stage, read in this process alone (DeepSpeed's own checkpoints
-    too: what its zero_to_fp32 returns)."""
+def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: Any, tag: str | None = None,
+                                             exclude_frozen_parameters: bool = False,
+                                             lazy_mode: bool = False) -> OrderedDict:
+    """The model's full state dict (float32 parameters from the master copy, buffers and frozen parameters
+    as saved) from a checkpoint of any world size and ZeRO stage, read in this process alone (DeepSpeed's
+    own checkpoints too: what its zero_to_fp32 returns). ``exclude_frozen_parameters``: without the
+    frozen (``requires_grad=False``) parameters. ``lazy_mode`` (DeepSpeed's, to read tensors on use) is
+    accepted; the tensors are read at once."""
     deepspeed_path = deepspeed_tag_dir(checkpoint_dir, tag)
     if deepspeed_path is not None and not (deepspeed_path / META_FILE).exists():
-        return fp32_state_dict(deepspeed_path)
+        return fp32_state_dict(deepspeed_path, exclude_frozen_parameters)
     path = _tag_dir(checkpoint_dir, tag)
     meta = read_zero_metadata(path)
     saved = SafeReader(str(path)).read_metadata().state_dict_metadata
@@ -68,10 +72,43 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: Any, tag: str | Non
     for key, tensor in state.items():
         if key.startswith("module/"):
             out[key.removeprefix("module/")] = tensor
+    for name in meta.get("frozen", []) if exclude_frozen_parameters else []:
+        out.pop(name, None)
     for alias, source in meta.get("shared_params", {}).items():  # tied weights: every name, one tensor
         if source in out:
             out[alias] = out[source]
     return out
+
+
+def convert_zero_checkpoint_to_state_dict(checkpoint_dir: Any, output_dir: Any, dtype: Any = torch.float32,
+                                          max_shard_size: Any = "5GB", safe_serialization: bool = False,
+                                          tag: str | None = None, exclude_frozen_parameters: bool = False) -> list[Path]:
+    """DeepSpeed's: the weights of a ZeRO checkpoint (any stage and world size) written under ``output_dir``
+    as ``pytorch_model.bin`` (``model.safetensors`` with ``safe_serialization``), in ``dtype`` (floating
+    tensors; "fp32", "fp16", "bf16" or a torch dtype), split into ``pytorch_model-00001-of-0000N.bin``
+    shards with a Hugging Face index when larger than ``max_shard_size`` (None: one file). The paths written."""
+    names = {"fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16,
+             "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+    resolved = names.get(dtype.lower()) if isinstance(dtype, str) else dtype
+    if resolved not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"convert_zero_checkpoint_to_state_dict: dtype must be float32, float16 or bfloat16 (or "
+                         f"'fp32', 'fp16', 'bf16'), got {dtype!r}")
+    limit = None if max_shard_size is None else \
+        int(max_shard_size) if isinstance(max_shard_size, int) else parse_size(max_shard_size)
+    state = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag, exclude_frozen_parameters)
+    state = OrderedDict((k, v.to(resolved) if v.is_floating_point() else v) for k, v in state.items())
+    output = Path(output_dir)
+    output.mkdir(parents=True, exist_ok=True)
+    weights = output / ("model.safetensors" if safe_serialization else "pytorch_model.bin")
+    return write_fp32(state, weights, use_safetensors=safe_serialization, max_shard_size=limit)
+
+
+def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: Any, output_dir: Any, max_shard_size: Any = "5GB",
+                                               safe_serialization: bool = False, tag: str | None = None,
+                                               exclude_frozen_parameters: bool = False) -> list[Path]:
+    """DeepSpeed's: `convert_zero_checkpoint_to_state_dict` in float32."""
+    return convert_zero_checkpoint_to_state_dict(checkpoint_dir, output_dir, torch.float32, max_shard_size,
+                                                 safe_serialization, tag, exclude_frozen_parameters)
 
 
 def load_state_dict_from_zero_checkpoint(model: torch.nn.Module, checkpoint_dir: Any, tag: str | None = None):
@@ -123,7 +160,13 @@ def write_fp32(state: OrderedDict, output: Any, *, use_safetensors: bool, max_sh
         target = output if len(shards) == 1 else \
             output.with_name(f"{output.stem}-{i:05d}-of-{len(shards):05d}{output.suffix}")
         temporary = target.with_name(target.name + ".tmp")
-        contiguous = {k: v.contiguous() for k, v in shard.items()}
+        contiguous, stored = {}, set()
+        for name, tensor in shard.items():  # safetensors refuses tensors sharing memory (a tied weight's names)
+            tensor = tensor.contiguous()
+            if use_safetensors and tensor.untyped_storage().data_ptr() in stored:
+                tensor = tensor.clone()
+            stored.add(tensor.untyped_storage().data_ptr())
+            contiguous[name] = tensor
         if use_safetensors:
             save_file(contiguous, str(temporary), metadata={"format": "pt"})
         else:
