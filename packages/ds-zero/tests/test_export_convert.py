@@ -17,6 +17,7 @@ from ds_zero import (
     convert_zero_checkpoint_to_fp32_state_dict,
     convert_zero_checkpoint_to_state_dict,
     get_fp32_state_dict_from_zero_checkpoint,
+    load_state_dict_from_zero_checkpoint,
     save_zero_checkpoint,
 )
 
@@ -86,6 +87,24 @@ def test_convert_writes_deepspeeds_files(stage, tmp_path):
     assert all(loaded[k].dtype == torch.bfloat16 and torch.equal(loaded[k], state[k].bfloat16()) for k in loaded)
     assert set(get_fp32_state_dict_from_zero_checkpoint(checkpoint, exclude_frozen_parameters=True)) == \
         set(state) - frozen
+
+
+class Bigger(Model):
+    def __init__(self):
+        super().__init__()
+        self.extra = nn.Linear(2, 2)
+
+
+def test_load_state_dict_from_zero_checkpoint_is_not_strict_as_deepspeeds(tmp_path, caplog):
+    spawn(train_and_save, world_size=2, args=(2, str(tmp_path)))
+    model = Bigger()
+    extra = model.extra.weight.detach().clone()
+    with caplog.at_level("WARNING", logger="ds_zero._export"):
+        loaded = load_state_dict_from_zero_checkpoint(model, tmp_path)
+    assert loaded is model and torch.equal(model.extra.weight, extra)  # not in the checkpoint: kept
+    state = get_fp32_state_dict_from_zero_checkpoint(tmp_path)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in state.items())
+    assert "extra.weight" in caplog.text
 
 
 def test_convert_refuses_a_bad_dtype(tmp_path):

@@ -64,7 +64,7 @@ def test_export_of_tied_weights_has_every_name(stage, tmp_path):
     assert state["layer2.weight"] is state["layer1.weight"]
     for name, tensor in expected.items():
         torch.testing.assert_close(state[name], tensor, rtol=1e-5, atol=1e-6)
-    fresh = load_state_dict_from_zero_checkpoint(Tied(), tmp_path)  # strict
+    fresh = load_state_dict_from_zero_checkpoint(Tied(), tmp_path)
     assert fresh.layer2.weight is fresh.layer1.weight
     x = _x(0, 9)
     reference = Tied()

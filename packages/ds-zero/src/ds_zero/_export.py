@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import re
 import sys
@@ -24,6 +25,8 @@ import torch.distributed.checkpoint as dcp
 
 from ._checkpoint import META_FILE, SafeReader, read_zero_metadata
 from ._deepspeed_format import deepspeed_tag_dir, fp32_state_dict
+
+logger = logging.getLogger(__name__)
 
 
 def _tag_dir(checkpoint_dir: Any, tag: str | None) -> Path:
@@ -112,8 +115,13 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: Any, output_dir: 
 
 
 def load_state_dict_from_zero_checkpoint(model: torch.nn.Module, checkpoint_dir: Any, tag: str | None = None):
-    """Load the consolidated float32 weights of a ZeRO checkpoint into ``model`` (strict) and return it."""
-    model.load_state_dict(get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag))
+    """Load the consolidated float32 weights of a ZeRO checkpoint into ``model`` and return it. Not strict, as
+    DeepSpeed's (a checkpoint saved with ``exclude_frozen_parameters`` lacks the frozen weights): the names
+    the model has and the checkpoint lacks, or the reverse, are logged as a warning."""
+    result = model.load_state_dict(get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag), strict=False)
+    if result.missing_keys or result.unexpected_keys:
+        logger.warning("load_state_dict_from_zero_checkpoint: not in the checkpoint (kept as they are): %s; in the "
+                       "checkpoint, not in the model (ignored): %s", result.missing_keys, result.unexpected_keys)
     return model
 
 
