@@ -65,7 +65,7 @@ NO_OP = [
     "zero_optimization.stage3_module_granularity_threshold", "zero_optimization.stage3_use_all_reduce_for_fetch_params",
     "zero_optimization.stage3_allgather_sequential", "zero_optimization.parameter_alignment",
     "zero_optimization.enable_sanity_checks", "zero_optimization.save_muon_momentum_buffer_in_memory",
-    "zero_optimization.leaf_module", "zero_optimization.memory_efficient_linear",
+    "zero_optimization.memory_efficient_linear",
     "zero_optimization.pipeline_loading_checkpoint", "zero_optimization.override_module_apply",
     "zero_optimization.log_trace_cache_warnings", "bf16.immediate_grad_update",
     "pipeline.pipe_partitioned", "pipeline.grad_partitioned", "pipeline.use_reentrant",

@@ -80,6 +80,8 @@ PATHS = [
      ds_zero.convert_zero_checkpoint_to_fp32_state_dict),
     ("ds_all.utils.zero_to_fp32", "get_fp32_state_dict_from_zero_checkpoint",
      ds_zero.get_fp32_state_dict_from_zero_checkpoint),
+    ("ds_all.utils", "set_z3_leaf_modules", ds_zero.set_z3_leaf_modules),
+    ("ds_all.utils", "z3_leaf_module", ds_zero.z3_leaf_module),
     ("ds_all.utils.tensor_fragment", "safe_get_full_fp32_param", ds_zero.safe_get_full_fp32_param),
     ("ds_all.utils.tensor_fragment", "safe_get_full_grad", ds_zero.safe_get_full_grad),
     ("ds_all.utils.tensor_fragment", "safe_get_full_optimizer_state", ds_zero.safe_get_full_optimizer_state),
@@ -98,6 +100,15 @@ def test_each_deepspeed_import_path_is_a_module_holding_the_owners_object(path, 
     # and `from deepspeed.x import y` / attribute access from the top, as scripts write it
     parent, _, leaf = path.rpartition(".")
     assert getattr(importlib.import_module(parent), leaf) is module
+
+
+def test_utils_z3_leaf_module_is_the_function_and_its_module_imports_by_path():
+    # as in DeepSpeed, whose deepspeed/utils/__init__.py imports the function over its own submodule's name
+    import ds_all.utils
+    from ds_all.utils.z3_leaf_module import set_z3_leaf_modules
+    assert set_z3_leaf_modules is ds_zero.set_z3_leaf_modules
+    assert ds_all.utils.z3_leaf_module is ds_zero.z3_leaf_module
+    assert type(sys.modules["ds_all.utils.z3_leaf_module"]).__name__ == "module"
 
 
 def test_import_ds_all_comm_as_dist_is_ds_comm():

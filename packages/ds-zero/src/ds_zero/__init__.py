@@ -37,6 +37,17 @@ from ._init import (
                         register_external_parameter,
                         unregister_external_parameter,
 )
+from ._leaf import (
+                        apply_zero_leaf_module_config,
+                        get_z3_leaf_modules,
+                        set_z3_leaf_module,
+                        set_z3_leaf_modules,
+                        set_z3_leaf_modules_by_name,
+                        set_z3_leaf_modules_by_suffix,
+                        unset_z3_leaf_modules,
+                        z3_leaf_module,
+                        z3_leaf_parameter,
+)
 from ._loss_scaler import CreateLossScaler, DynamicLossScaler, LossScaler, LossScalerBase
 from ._optimizer import ZeroOptimizer
 from ._params import ZeroParamStatus
@@ -70,18 +81,19 @@ __version__ = "0.1.0"
 
 __all__ = ["BF16Config", "CreateLossScaler", "DynamicLossScaler", "FP16Config", "GatheredParameters", "Init",
            "LossScaler", "LossScalerBase", "OffloadDeviceEnum", "OffloadOptimizerConfig", "OffloadParamConfig",
-           "OffloadStateTypeEnum", "OneBitAdam", "OneBitLamb", "SafeReader",
-           "ZeRORuntimeException", "ZeroConfig", "ZeroInference", "ZeroOneAdam",
-           "ZeroOptimizer", "ZeroParamStatus", "__version__",
-           "convert_zero_checkpoint_to_fp32_state_dict", "convert_zero_checkpoint_to_state_dict",
-           "estimate_zero2_model_states_mem_needs_all_cold",
+           "OffloadStateTypeEnum", "OneBitAdam", "OneBitLamb", "SafeReader", "ZeRORuntimeException", "ZeroConfig",
+           "ZeroInference", "ZeroOneAdam", "ZeroOptimizer", "ZeroParamStatus", "__version__",
+           "apply_zero_leaf_module_config", "convert_zero_checkpoint_to_fp32_state_dict",
+           "convert_zero_checkpoint_to_state_dict", "estimate_zero2_model_states_mem_needs_all_cold",
            "estimate_zero2_model_states_mem_needs_all_live", "estimate_zero3_model_states_mem_needs_all_cold",
            "estimate_zero3_model_states_mem_needs_all_live", "estimate_zero_model_states_mem_needs",
-           "get_fp32_state_dict_from_zero_checkpoint", "is_deepspeed_checkpoint", "load_deepspeed_checkpoint",
-           "load_state_dict_from_zero_checkpoint", "load_zero_checkpoint",
+           "get_fp32_state_dict_from_zero_checkpoint", "get_z3_leaf_modules", "is_deepspeed_checkpoint",
+           "load_deepspeed_checkpoint", "load_state_dict_from_zero_checkpoint", "load_zero_checkpoint",
            "read_zero_metadata", "register_external_parameter", "safe_get_full_fp32_param", "safe_get_full_grad",
            "safe_get_full_optimizer_state", "safe_get_local_fp32_param", "safe_get_local_grad",
            "safe_get_local_optimizer_state", "safe_set_full_fp32_param", "safe_set_full_grad",
            "safe_set_full_optimizer_state", "safe_set_local_fp32_param", "safe_set_local_grad",
-           "safe_set_local_optimizer_state", "safe_update_full_grad_vectorized",
-           "save_zero_checkpoint", "unregister_external_parameter"]
+           "safe_set_local_optimizer_state", "safe_update_full_grad_vectorized", "save_zero_checkpoint",
+           "set_z3_leaf_module", "set_z3_leaf_modules", "set_z3_leaf_modules_by_name",
+           "set_z3_leaf_modules_by_suffix", "unregister_external_parameter", "unset_z3_leaf_modules",
+           "z3_leaf_module", "z3_leaf_parameter"]

@@ -93,7 +93,7 @@ class FrozenShards:
                  peer: Stage3):
         self.params, self.group, self.dtype = params, group, dtype
         self.world_size, self.rank = ds_comm.get_world_size(group), ds_comm.get_rank(group)
-        units, hooked = plan_units(model, params)
+        units, hooked = plan_units(model, params, config.leaf_module)
         self.layout = FlatLayout([full_shape(p) for p in params], world_size=self.world_size, bucket_size=1,
                                  groups=[members for _, members in units])
         starts = self.layout.partition_offsets()

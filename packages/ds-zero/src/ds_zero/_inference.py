@@ -93,7 +93,7 @@ class ZeroInference:
         self.dtype = dtypes.pop()
         check_same_model(model, params, group, self.world_size)
         broadcast_from_first_rank(model, group)
-        units, hooked = plan_units(model, params)
+        units, hooked = plan_units(model, params, self.config.leaf_module)
         self.layout = FlatLayout([full_shape(p) for p in params], world_size=self.world_size, bucket_size=1,
                                  groups=[members for _, members in units])
         starts = self.layout.partition_offsets()

@@ -218,7 +218,7 @@ class ZeroOptimizer(Reduction, State, OffloadStates, EngineCalls):
         units = hooked = None
         params_on_nvme = self.config.offload_param is not None and self.config.offload_param.device == "nvme"
         if self.stage == 3:  # one bucket per fetch unit (a module's parameters)
-            units, hooked = plan_units(model, params)
+            units, hooked = plan_units(model, params, self.config.leaf_module)
             # parameters on NVMe: every shard starts on a 4 KiB boundary of the file (O_DIRECT reads)
             align = 4096 // self.dtype.itemsize if params_on_nvme else 1
             self.layout = FlatLayout(shapes, world_size=self.world_size, bucket_size=bucket_size,

@@ -9,11 +9,16 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._leaf import apply_zero_leaf_module_config, z3_leaf_module
 
-def plan_units(model: nn.Module, params: list[nn.Parameter]) -> tuple[list[tuple[str, list[int]]],
-                                                                       list[tuple[nn.Module, list[int]]]]:
+
+def plan_units(model: nn.Module, params: list[nn.Parameter], leaf_config: Any = None
+               ) -> tuple[list[tuple[str, list[int]]], list[tuple[nn.Module, list[int]]]]:
     """The units (a name and parameter indices each) and the hooked modules (each with the units of
-    every parameter below it), for ``params`` (the trainable parameters, in the model's order)."""
+    every parameter below it), for ``params`` (the trainable parameters, in the model's order). A module
+    flagged as a leaf (`_leaf`; ``leaf_config``: ``zero_optimization.leaf_module``, applied first) is one
+    unit with everything below it, whether it owns a parameter directly or not."""
+    apply_zero_leaf_module_config(model, leaf_config)
     index = {id(p): i for i, p in enumerate(params)}
     units: list[tuple[str, list[int]]] = []
     unit_of: dict[int, int] = {}
@@ -38,10 +43,14 @@ def plan_units(model: nn.Module, params: list[nn.Parameter]) -> tuple[list[tuple
                 continue
             seen.add(id(child))
             direct = [p for p in child.parameters(recurse=False) if id(p) in index]
-            if direct:
+            leaf = z3_leaf_module(child)
+            if direct or (leaf and any(id(p) in index for p in child.parameters())):
                 members = [index[id(p)] for p in child.parameters() if id(p) in index]
                 claim(prefix + name, members)
                 holders.append((child, members))
+                if leaf:  # DeepSpeed's mark of a leaf's parameters
+                    for p in child.parameters():
+                        p.ds_z3_leaf_module = child
             else:
                 walk(child, f"{prefix}{name}.")
 

@@ -102,10 +102,16 @@ class OffloadParamConfig(_Offload):
                             "are offloaded to NVMe.")
 
 
+DEFAULT_LEAF_CLASSES = ("transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock",
+                        "transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock",
+                        "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock")  # DeepSpeed's
+
+
 class LeafModuleConfig(Section):
     """``zero_optimization.leaf_module``: modules stage 3 fetches as one unit with their children."""
 
-    classes: list[str] = Field(default_factory=list, description="Class names (or dotted paths) of leaf modules.")
+    classes: list[str] = Field(default_factory=lambda: list(DEFAULT_LEAF_CLASSES),
+                               description="Class names (or dotted paths) of leaf modules.")
     names: list[str] = Field(default_factory=list, description="Module names (as in named_modules()).")
     name_suffixes: list[str] = Field(default_factory=list, description="Suffixes of module names.")
 

@@ -20,9 +20,21 @@ from .tensor_fragment import (
     safe_set_local_optimizer_state,
     safe_update_full_grad_vectorized,
 )
+from .z3_leaf_module import (
+    get_z3_leaf_modules,
+    set_z3_leaf_module,
+    set_z3_leaf_modules,
+    set_z3_leaf_modules_by_name,
+    set_z3_leaf_modules_by_suffix,
+    unset_z3_leaf_modules,
+    z3_leaf_module,  # the function, as in DeepSpeed (the module ds_all.utils.z3_leaf_module imports by its path)
+    z3_leaf_parameter,
+)
 
-__all__ = ["RepeatingLoader", "log_dist", "logger", "safe_get_full_fp32_param", "safe_get_full_grad",
-           "safe_get_full_optimizer_state", "safe_get_local_fp32_param", "safe_get_local_grad",
+__all__ = ["RepeatingLoader", "get_z3_leaf_modules", "log_dist", "logger", "safe_get_full_fp32_param",
+           "safe_get_full_grad", "safe_get_full_optimizer_state", "safe_get_local_fp32_param", "safe_get_local_grad",
            "safe_get_local_optimizer_state", "safe_set_full_fp32_param", "safe_set_full_grad",
            "safe_set_full_optimizer_state", "safe_set_local_fp32_param", "safe_set_local_grad",
-           "safe_set_local_optimizer_state", "safe_update_full_grad_vectorized", "set_random_seed"]
+           "safe_set_local_optimizer_state", "safe_update_full_grad_vectorized", "set_random_seed",
+           "set_z3_leaf_module", "set_z3_leaf_modules", "set_z3_leaf_modules_by_name",
+           "set_z3_leaf_modules_by_suffix", "unset_z3_leaf_modules", "z3_leaf_module", "z3_leaf_parameter"]
