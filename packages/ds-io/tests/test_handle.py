@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import ds_io
+import ds_ops
 from ds_io import _limits
 from ds_io.handle import AsyncIOHandle, _core
 
@@ -396,6 +397,7 @@ def test_buffered_reads_with_readahead(tmp_path, threads):
     assert not AsyncIOHandle().uses_buffered_reads()
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_tensor_roundtrip(tmp_path, handle):
     t = random_tensor(100_001, torch.float16).cuda()
@@ -405,3 +407,43 @@ def test_cuda_tensor_roundtrip(tmp_path, handle):
     handle.async_pread(u, tmp_path / "gpu.bin")
     assert handle.wait() == 1
     assert tensor_bytes(t.cpu()) == tensor_bytes(u.cpu())
+
+
+def test_locked_tensors_and_bounce_buffers_come_from_the_accelerator_seam(monkeypatch, tmp_path):
+    """On a GPU the page-locked buffers are the seam's pinned memory: here a stand-in accelerator
+    that says it is not synchronous (as CUDA) hands them out, and the handle uses and frees them."""
+    from ds_io import handle as handle_module
+
+    made = []
+
+    class Gpu:
+        def is_synchronized_device(self):
+            return False
+
+        def pinned_empty(self, size, dtype):
+            made.append((tuple(size) if isinstance(size, (tuple, torch.Size)) else (size,), dtype))
+            return torch.empty(size, dtype=dtype)
+
+    monkeypatch.setattr(handle_module, "get_accelerator", Gpu)
+    with AsyncIOHandle() as h:
+        t = h.new_cpu_locked_tensor(1000, torch.zeros(1, dtype=torch.bfloat16))
+        assert made == [((1000,), torch.bfloat16)] and t.dtype == torch.bfloat16 and t.numel() == 1000
+        assert h.free_cpu_locked_tensor(t) and not h.free_cpu_locked_tensor(t)
+    monkeypatch.setattr(handle_module, "get_accelerator", lambda: ds_ops.get_accelerator())
+    with AsyncIOHandle() as h:  # the real seam on this machine
+        t = h.new_cpu_locked_tensor(4096, torch.zeros(1))
+        assert t.is_pinned() == (ds_ops.get_accelerator().device_name() == "cuda")
+        assert h.free_cpu_locked_tensor(t)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_locked_tensors_are_pinned_and_feed_the_gpu(tmp_path, handle):
+    locked = handle.new_cpu_locked_tensor(1 << 20, torch.zeros(1))
+    assert locked.is_pinned() and ds_ops.get_accelerator().is_pinned(locked)
+    locked.copy_(torch.arange(1 << 20, dtype=torch.float32))
+    handle.sync_pwrite(locked, tmp_path / "pinned.bin")
+    back = torch.empty(1 << 20, device="cuda")
+    handle.sync_pread(back, tmp_path / "pinned.bin")
+    assert torch.equal(back.cpu(), locked)
+    assert handle.free_cpu_locked_tensor(locked)

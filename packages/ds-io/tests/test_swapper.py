@@ -358,6 +358,7 @@ def test_errors_name_the_key(tmp_path):
             swapper.release(["a"])
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_tensors_are_refused_with_the_way_out(tmp_path):
     with TensorSwapper(tmp_path) as swapper, pytest.raises(ValueError, match="copy to a page-locked CPU buffer"):

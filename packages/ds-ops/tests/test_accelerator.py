@@ -86,3 +86,18 @@ def test_set_accelerator_replaces_the_choice_and_checks_its_argument():
             Accelerator("tpu")
     finally:
         ds_ops.set_accelerator(first)
+
+
+def test_pinned_empty_is_a_plain_host_tensor_on_the_cpu_accelerator():
+    acc = Accelerator("cpu")
+    t = acc.pinned_empty((3, 5), torch.bfloat16)
+    assert t.shape == (3, 5) and t.dtype == torch.bfloat16 and t.device.type == "cpu" and not t.is_pinned()
+    assert acc.pinned_empty(7).dtype == torch.float32
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_pinned_empty_is_page_locked():
+    acc = Accelerator("cuda")
+    t = acc.pinned_empty(1 << 20, torch.float16)
+    assert t.is_pinned() and acc.is_pinned(t) and acc.is_pinned(acc.pin_memory(torch.ones(4)))

@@ -138,6 +138,7 @@ def test_cuda_device_without_cuda_is_one_line(models_file, device):
     assert result.stdout == ""
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_device_index_beyond_the_gpus_is_one_line(models_file):
     count = torch.cuda.device_count()

@@ -6,7 +6,7 @@ import pytest
 import torch
 from _models import GPT, gpt_counts, profile
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
 def test_gpt_on_cuda_counts_the_same_and_times_with_events():

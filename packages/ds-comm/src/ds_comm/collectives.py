@@ -170,6 +170,13 @@ class _Staging:
         return torch.empty(numel, dtype=dtype, device=device)
 
     def give_back(self, buffer: torch.Tensor) -> None:
+        """Return ``buffer`` after its last use. A CUDA buffer is not pooled: its last use may be
+        queued on another stream (a completion callback runs on a stream ordered after the
+        collective), which this pool cannot see; it goes back to torch's caching allocator, told
+        about that stream, which reuses the memory only once the queued work is done."""
+        if buffer.is_cuda:
+            buffer.record_stream(torch.cuda.current_stream(buffer.device))
+            return
         with self._lock:
             free = self._free.setdefault((buffer.device, buffer.dtype), [])
             free.append(buffer)

@@ -33,6 +33,7 @@ EXIT_WAIT_S = 10.0  # at exit, how long a rank waits for its peers to leave too 
 HUNG_EXIT_CODE = 1  # the exit status of a rank whose group is broken by a diagnosed hang
 
 _teardown_callbacks: list[Callable[[], None]] = []
+_group_timeout: timedelta | None = None  # the timeout the default group was made with (NCCL's watchdog acts at it)
 _exit_hook_registered = False
 _broken: str | None = None  # why the group cannot be used any more (a diagnosed hang), or None
 
@@ -71,9 +72,10 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
     ``dist_init_required=False`` creates no process group (the caller made or will make one);
     ``config`` (DeepSpeed passes its config through) is not read.
     """
+    global _group_timeout
     if dist.is_initialized() or dist_init_required is False:
         return
-    backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    backend = _default_backend(dist_backend)
     if backend not in BACKENDS:
         raise ValueError(f"init_distributed: dist_backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     environ = os.environ
@@ -98,7 +100,7 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
                                "(ds-launch sets it; or pass init_method='tcp://host:port')")
         os.environ.setdefault("MASTER_PORT", str(distributed_port))
         init_method = "env://"
-    if backend == "nccl" and torch.cuda.is_available():
+    if backend == "nccl" and torch.cuda.is_available():  # each rank its own GPU, before NCCL makes a communicator
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
     # torch.distributed.nn.functional binds `group=group.WORLD` as default arguments when it is first
     # imported: imported after the group exists (torch._dynamo imports it, and the first torch.optim
@@ -107,10 +109,25 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
     # first binds None instead. It costs 2-6 ms here (torch._dynamo itself would cost 0.8 s).
     importlib.import_module("torch.distributed.nn")
 
+    # NCCL: ``timeout`` is also its watchdog's limit; a collective running past it takes the process
+    # down (torch's TORCH_NCCL_ASYNC_ERROR_HANDLING, left as the user set it). The comms logger's
+    # hang diagnosis waits with its own, shorter limit (see ds_comm.logger).
     dist.init_process_group(backend, init_method=init_method, timeout=timeout, rank=rank, world_size=world_size)
+    _group_timeout = timeout
     _register_exit_hook()
     if verbose:
         logger.info("ds_comm: rank %d of %d initialised (%s)", rank, world_size, backend)
+
+
+def _default_backend(dist_backend: str | None = None) -> str:
+    """The backend `init_distributed` uses: ``dist_backend`` when given, else nccl when this process
+    has a usable GPU (DeepSpeed's CUDA accelerator's choice), else gloo."""
+    return dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+
+
+def _group_timeout_now() -> timedelta | None:
+    """The timeout `init_distributed` made the default group with (None if ds_comm did not make it)."""
+    return _group_timeout if dist.is_initialized() else None
 
 
 def _require(call: str) -> None:

@@ -3,8 +3,15 @@
 Off by default, and then a collective costs one attribute check. When on, each recorded op is
 timed from its issue to its own completion: a blocking op around the call, an async op by a
 completion callback on its work (so compute between issue and ``wait()`` is not counted as
-communication; where the backend has no callback, and for CUDA tensors, the op ends when it is
-first seen complete by ``wait()`` or ``is_completed()``). Times are kept per op and message size.
+communication; where the backend has no callback, the op ends when it is first seen complete by
+``wait()`` or ``is_completed()``). Times are kept per op and message size.
+
+CUDA tensors are timed on the GPU, not by host timers (which would measure the launch): a CUDA
+event is recorded on the current stream before the op is issued and another after it on the same
+stream -- for a blocking op when the call returns (NCCL has made the stream wait for the
+collective), for an async op at the ``wait()`` (or ``is_completed()``) that first sees it done. No
+synchronisation on the way: the elapsed time is read when the records are asked for
+(`CommsLogger.records`, `CommsLogger.log_summary`), or at once for a ``verbose`` line.
 
 With ``debug`` every rank numbers the collectives of each group, in memory only. With
 ``hang_timeout`` a background thread also publishes the rank's latest numbers to the process
@@ -41,6 +48,7 @@ log = logging.getLogger(__name__)
 
 HISTORY = 8  # the last ops each rank reports when a collective hangs
 PUBLISH_INTERVAL_S = 1.0  # the longest a rank's published position may lag (and hang_timeout / 4)
+PENDING_LIMIT = 1024  # CUDA-timed ops kept unread before the finished ones are read
 
 
 class _StdoutIfUnconfigured(logging.Handler):
@@ -127,8 +135,10 @@ class _Issued:
     world_size: int
     rank: int
     caller: str
-    cuda: bool
+    device: torch.device | None  # the CUDA device of the op's tensors: timed with events; None: host timers
     start: float = 0.0
+    start_event: object = None
+    end_event: object = None
 
 
 class _Countdown:
@@ -212,6 +222,7 @@ class CommsLogger:
         self._sequences: dict[str, int] = {}
         self._positions: dict[str, dict] = {}  # group key -> this rank's latest collective on it
         self._history: deque = deque(maxlen=HISTORY)
+        self._pending: deque = deque()  # CUDA-timed ops whose elapsed time is not read yet
         self._publisher: _Publisher | None = None
         self.active = False
         _distributed._on_teardown(self._on_teardown)
@@ -232,6 +243,7 @@ class CommsLogger:
     def reset(self) -> None:
         self._times.clear()
         self._history.clear()
+        self._pending.clear()
 
     def reset_sequences(self) -> None:
         self._sequences.clear()
@@ -251,14 +263,15 @@ class CommsLogger:
             caller, key = _caller(), _group_key(group)
             seq = self._count(op, msg_bytes, key, caller)
             if hang is not None and self._publisher is None:
+                _check_watchdog(hang)
                 self._publisher = _Publisher(self, _store(), dist.get_rank(), min(PUBLISH_INTERVAL_S, hang / 4))
         record = cfg.enabled and (cfg.prof_all or op in cfg.prof_ops)
         issued = None
         if record:
             issued = _Issued(op, msg_bytes, dist.get_world_size(group), dist.get_rank(), caller or "",
-                             any(t.is_cuda for t in tensors))
-            if issued.cuda:
-                torch.cuda.synchronize()
+                             _cuda_device(tensors))
+            if issued.device is not None:
+                issued.start_event = _record_event(issued.device)
             issued.start = time.perf_counter()
         if async_op:
             return self._wrap(call(True), op, issued, group, key, seq)
@@ -280,7 +293,7 @@ class CommsLogger:
             return None
         works = result if isinstance(result, list) else [result]
         countdown = None
-        if issued is not None and (issued.cuda or not self._on_completion(works, issued)):
+        if issued is not None and (issued.device is not None or not self._on_completion(works, issued)):
             countdown = _Countdown(self, issued, len(works))
         wrapped = [_LoggedWork(self, w, op, group, key, seq, countdown) for w in works]
         return wrapped if isinstance(result, list) else wrapped[0]
@@ -296,9 +309,26 @@ class CommsLogger:
         return True
 
     def _finish(self, issued: _Issued) -> None:
-        if issued.cuda:
-            torch.cuda.synchronize()
-        self._record(issued, time.perf_counter() - issued.start)
+        if issued.device is None:
+            self._record(issued, time.perf_counter() - issued.start)
+            return
+        issued.end_event = _record_event(issued.device)  # after the op on the stream: its GPU end
+        self._pending.append(issued)
+        if self.config.verbose:  # the line needs its time now
+            self._read_events()
+        elif len(self._pending) > PENDING_LIMIT:  # a long run without a summary: read what is done
+            self._read_events(only_done=True)
+
+    def _read_events(self, only_done: bool = False) -> None:
+        """Record the CUDA-timed ops (in issue order), waiting for their end events; ``only_done``:
+        stop at the first op still running on the GPU instead."""
+        while self._pending:
+            issued = self._pending[0]
+            if only_done and not issued.end_event.query():
+                return
+            issued.end_event.synchronize()
+            self._pending.popleft()
+            self._record(issued, issued.start_event.elapsed_time(issued.end_event) / 1e3)
 
     def _record(self, issued: _Issued, seconds: float) -> None:
         op, msg_bytes, world = issued.op, issued.msg_bytes, issued.world_size
@@ -340,8 +370,10 @@ class CommsLogger:
         if completed is False:
             message = self._diagnose(op, group, key, seq, timeout)
             # one line now (the exception carries the diagnosis); the whole of it again at exit if
-            # the exception was caught and never shown
-            log.error("%s (raising CollectiveHang)", message.splitlines()[0])
+            # the exception was caught and never shown. On NCCL all of it now: the timed-out wait
+            # has aborted the communicator, and NCCL's watchdog may take the process down before
+            # the exception is shown or the exit hook runs.
+            log.error("%s (raising CollectiveHang)", message if _on_nccl(group) else message.splitlines()[0])
             _distributed._mark_broken(message)
             raise CollectiveHang(message) from None
         return completed
@@ -386,6 +418,7 @@ class CommsLogger:
 
     # ---- summary --------------------------------------------------------------------------------------
     def records(self) -> list[OpRecord]:
+        self._read_events()
         return [OpRecord(op, size, len(times), sum(times), world)
                 for (op, size, world), times in sorted(self._times.items())]
 
@@ -412,6 +445,35 @@ class CommsLogger:
 
 def _store():
     return dist.distributed_c10d._get_default_store()
+
+
+def _on_nccl(group) -> bool:
+    try:
+        return "nccl" in str(dist.get_backend(group))
+    except (RuntimeError, ValueError):
+        return False
+
+
+def _check_watchdog(hang_timeout: float) -> None:
+    """On NCCL a collective running past the group's timeout is ended by NCCL's watchdog, which takes
+    the process down (TORCH_NCCL_ASYNC_ERROR_HANDLING): the diagnosis must come first."""
+    limit = _distributed._group_timeout_now()
+    if _on_nccl(None) and limit is not None and hang_timeout >= limit.total_seconds():
+        log.warning("ds_comm: comms_logger.hang_timeout (%g s) is not below the process group's timeout (%g s): "
+                    "NCCL's watchdog will end a hung collective before it can be diagnosed; pass a longer "
+                    "timeout to init_distributed or a shorter hang_timeout", hang_timeout, limit.total_seconds())
+
+
+def _cuda_device(tensors) -> torch.device | None:
+    """The device of the op's first CUDA tensor, or None (the op is timed by host timers)."""
+    return next((t.device for t in tensors if t.is_cuda), None)
+
+
+def _record_event(device: torch.device):
+    """A timing CUDA event recorded now on ``device``'s current stream."""
+    event = torch.cuda.Event(enable_timing=True)
+    event.record(torch.cuda.current_stream(device))
+    return event
 
 
 def _group_key(group) -> str:

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from ds_ops import get_accelerator
+
 from ._limits import check_range
 from .op_builder import AsyncIOBuilder
 
@@ -155,13 +157,15 @@ class AsyncIOHandle:
     # ---- page-locked buffers ---------------------------------------------------------------------
     def new_cpu_locked_tensor(self, num_elem: int, example_tensor: torch.Tensor) -> torch.Tensor:
         """A 1-D CPU tensor of ``num_elem`` elements of ``example_tensor``'s dtype in page-locked,
-        4096-byte aligned memory (pinned through torch when CUDA is present, else ``mlock``ed)."""
+        4096-byte aligned memory (pinned through the accelerator seam, ``ds_ops.get_accelerator()``,
+        when it is CUDA; else ``mlock``ed)."""
         self._check_open("new_cpu_locked_tensor")
         _positive_int("num_elem", num_elem)
         dtype = example_tensor.dtype
         nbytes = num_elem * torch.empty((), dtype=dtype).element_size()
-        if torch.cuda.is_available():
-            tensor = torch.empty(num_elem, dtype=dtype, pin_memory=True)
+        accelerator = get_accelerator()
+        if not accelerator.is_synchronized_device():  # a GPU: memory it can copy from asynchronously
+            tensor = accelerator.pinned_empty(num_elem, dtype)
             self._locked[tensor.data_ptr()] = tensor
             return tensor
         return self._new_mlocked(num_elem, dtype, nbytes)
@@ -287,7 +291,7 @@ class AsyncIOHandle:
             return tensor, None
         if tensor.device.type != "cuda":
             raise ValueError(f"{verb}('{path}'): tensors must be on CPU or CUDA, got {tensor.device}")
-        bounce = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        bounce = get_accelerator().pinned_empty(tensor.shape, tensor.dtype)
         if write:
             bounce.copy_(tensor)
             return bounce, None

@@ -273,6 +273,11 @@ class Accelerator:
         itself on the CPU, where there is nothing to pin for."""
         return tensor.pin_memory() if self._cuda else tensor
 
+    def pinned_empty(self, size, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """A new, uninitialised host tensor allocated page-locked (CUDA; no pageable copy first, as
+        ``pin_memory(torch.empty(...))`` would make); a plain one on the CPU. Not DeepSpeed's API."""
+        return torch.empty(size, dtype=dtype, pin_memory=self._cuda)
+
     def is_pinned(self, tensor: torch.Tensor) -> bool:
         return tensor.is_pinned() if self._cuda else False
 

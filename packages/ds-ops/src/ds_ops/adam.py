@@ -19,6 +19,7 @@ from collections import defaultdict
 
 import torch
 
+from . import _adam_device
 from . import _adam_subgroup as subgroups
 from . import _optimizer as common
 from .op_builder import CPUAdamBuilder
@@ -31,19 +32,28 @@ _STATE_CODES = {torch.float32: 0, torch.bfloat16: 2}
 def adam_step(params, grads, exp_avg, exp_avg_sq, step: int, lr: float, *, betas=(0.9, 0.999), eps: float = 1e-8,
               weight_decay: float = 0.0, adamw_mode: bool = True, bias_correction: bool = True,
               grad_scale: float = 1.0, half_copy=None, check_finite: bool = True, seed: int | None = None) -> bool:
-    """One Adam/AdamW step on caller-owned CPU buffers; returns ``found_inf``.
+    """One Adam/AdamW step on caller-owned buffers; returns ``found_inf``.
 
-    ``params``, ``grads``, ``exp_avg``, ``exp_avg_sq`` (and ``half_copy``) are each a contiguous CPU
-    tensor (a flat partition) or a list of them, matched element for element by count. Parameters
-    are float32 (gradients float32, float16 or bfloat16) or float16/bfloat16 (gradients of the same
-    dtype, updated in float32 and stored rounded to nearest); ``exp_avg``/``exp_avg_sq`` are float32,
-    or bfloat16 (stochastic rounding, ``seed`` picks its noise; default: from ``step``).
+    ``params``, ``grads``, ``exp_avg``, ``exp_avg_sq`` (and ``half_copy``) are each a contiguous
+    tensor (a flat partition) or a list of them, matched element for element by count, all on one
+    device. Parameters are float32 (gradients float32, float16 or bfloat16) or float16/bfloat16
+    (gradients of the same dtype, updated in float32 and stored rounded to nearest);
+    ``exp_avg``/``exp_avg_sq`` are float32, or bfloat16 (on CPU with stochastic rounding, ``seed``
+    picks its noise, default: from ``step``; on a device rounded to nearest).
     ``step`` is this step's number (1 for the first): the caller counts, and does not count a
     skipped step. The formulas are ``torch.optim.Adam``'s (``adamw_mode=False``: L2 weight decay)
     and ``AdamW``'s, on ``g = grad / grad_scale``: the gradients are multiplied by ``1/grad_scale``
     inside the update pass (exact for the powers of two loss scalers use), so unscaling costs no
     pass of its own, and the gradients are left as they are. ``half_copy``: float16/bfloat16
     tensors (float32 parameters only) that receive the updated parameters in the same pass.
+
+    CPU tensors run the ds-ops ``cpu_adam`` kernel. Device (CUDA) tensors run torch's fused
+    multi-tensor Adam (``torch._fused_adam_``/``_fused_adamw_``, as ``torch.optim.AdamW(fused=True)``),
+    the step without bias correction in ``torch._foreach_*`` ops; 16-bit gradients (and float32 ones
+    when ``grad_scale != 1``) and 16-bit parameters pass through float32 scratch of at most 256 MiB,
+    the 16-bit copies are written by one ``torch._foreach_copy_``. There the check is a read of the
+    gradients' largest magnitudes and the result one host synchronisation, with
+    ``check_finite=False`` too (the flag is returned either way).
 
     Overflow: with ``check_finite=True`` (the default) a read-only pass over the gradients runs
     first; if any ``grad / grad_scale`` is inf or nan, nothing is written (parameters, states and
@@ -53,6 +63,52 @@ def adam_step(params, grads, exp_avg, exp_avg_sq, step: int, lr: float, *, betas
     costs no pass besides the update and still returns True when it met a non-finite gradient
     (the update has then been written).
     """
+    first = params[0] if isinstance(params, (list, tuple)) and params else params
+    on_device = torch.is_tensor(first) and first.device.type not in ("cpu", "meta")
+    step_fn = _torch_adam_step if on_device else _cpu_adam_step
+    return step_fn(params, grads, exp_avg, exp_avg_sq, step, lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                   adamw_mode=adamw_mode, bias_correction=bias_correction, grad_scale=grad_scale,
+                   half_copy=half_copy, check_finite=check_finite, seed=seed)
+
+
+def _cpu_adam_step(params, grads, exp_avg, exp_avg_sq, step, lr, *, betas, eps, weight_decay, adamw_mode,
+                   bias_correction, grad_scale, half_copy, check_finite, seed) -> bool:
+    """adam_step on CPU buffers: the cpu_adam kernel."""
+    checked = _check_step(params, grads, exp_avg, exp_avg_sq, half_copy, step, lr, betas, eps, weight_decay,
+                          grad_scale, torch.device("cpu"))
+    params, grads, exp_avg, exp_avg_sq, copies, grad_scale = checked
+    beta1, beta2 = betas
+    return _launch(params, grads, exp_avg, exp_avg_sq, copies, step=int(step), lr=lr, beta1=beta1, beta2=beta2,
+                   eps=eps, weight_decay=weight_decay, adamw=adamw_mode, bias_correction=bias_correction,
+                   grad_multiplier=1.0 / grad_scale, check_finite=check_finite,
+                   seed=common.stream_seed(step, 0) if seed is None else int(seed) & 0xFFFFFFFF)
+
+
+def _torch_adam_step(params, grads, exp_avg, exp_avg_sq, step, lr, *, betas=(0.9, 0.999), eps=1e-8,
+                     weight_decay=0.0, adamw_mode=True, bias_correction=True, grad_scale=1.0, half_copy=None,
+                     check_finite=True, seed=None) -> bool:
+    """adam_step's device path (torch's fused kernels), on the device of ``params`` -- the CPU
+    included, which is how CPU CI tests it. bfloat16 states are rounded to nearest (``seed`` is
+    not used: no stochastic rounding here)."""
+    first = params[0] if isinstance(params, (list, tuple)) and params else params
+    device = first.device if torch.is_tensor(first) else torch.device("cpu")
+    checked = _check_step(params, grads, exp_avg, exp_avg_sq, half_copy, step, lr, betas, eps, weight_decay,
+                          grad_scale, device)
+    params, grads, exp_avg, exp_avg_sq, copies, grad_scale = checked
+    found_inf = _adam_device.found_non_finite(grads, grad_scale)
+    if found_inf and check_finite:
+        return True
+    beta1, beta2 = betas
+    steps = [_adam_device.step_tensor(int(step), device)] * len(params)
+    _adam_device.update(params, grads, exp_avg, exp_avg_sq, copies, steps, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                        weight_decay=weight_decay, adamw=adamw_mode, bias_correction=bias_correction,
+                        grad_scale=grad_scale)
+    return found_inf
+
+
+def _check_step(params, grads, exp_avg, exp_avg_sq, half_copy, step, lr, betas, eps, weight_decay, grad_scale,
+                device: torch.device):
+    """adam_step's input checks (nothing is written before they pass); the lists and the scale."""
     name = "adam_step"
     params, grads = _tensor_list(name, "params", params), _tensor_list(name, "grads", grads)
     exp_avg, exp_avg_sq = _tensor_list(name, "exp_avg", exp_avg), _tensor_list(name, "exp_avg_sq", exp_avg_sq)
@@ -61,15 +117,15 @@ def adam_step(params, grads, exp_avg, exp_avg_sq, step: int, lr: float, *, betas
         if len(tensors) != len(params):
             raise ValueError(f"{name}: {what} has {len(tensors)} tensors, params {len(params)}")
     for i, (p, g, m, v, c) in enumerate(zip(params, grads, exp_avg, exp_avg_sq, copies, strict=True)):
-        _check_buffer(name, f"params[{i}]", p, p.numel(), (torch.float32, *common.HALF_DTYPES))
-        _check_buffer(name, f"grads[{i}]", g, p.numel(), tuple(common.DTYPE_CODES))
-        _check_buffer(name, f"exp_avg[{i}]", m, p.numel(), tuple(_STATE_CODES))
-        _check_buffer(name, f"exp_avg_sq[{i}]", v, p.numel(), tuple(_STATE_CODES))
+        _check_buffer(name, f"params[{i}]", p, p.numel(), (torch.float32, *common.HALF_DTYPES), device)
+        _check_buffer(name, f"grads[{i}]", g, p.numel(), tuple(common.DTYPE_CODES), device)
+        _check_buffer(name, f"exp_avg[{i}]", m, p.numel(), tuple(_STATE_CODES), device)
+        _check_buffer(name, f"exp_avg_sq[{i}]", v, p.numel(), tuple(_STATE_CODES), device)
         if p.dtype != torch.float32 and g.dtype != p.dtype:
             raise ValueError(f"{name}: params[{i}] is {p.dtype} and grads[{i}] {g.dtype}; 16-bit parameters need "
                              "gradients of their own dtype")
         if c is not None:
-            _check_buffer(name, f"half_copy[{i}]", c, p.numel(), common.HALF_DTYPES)
+            _check_buffer(name, f"half_copy[{i}]", c, p.numel(), common.HALF_DTYPES, device)
             if p.dtype != torch.float32:
                 raise ValueError(f"{name}: half_copy is for float32 parameters; params[{i}] is {p.dtype} already")
     for what, tensors in (("params", params), ("grads", grads), ("exp_avg and exp_avg_sq", exp_avg + exp_avg_sq),
@@ -81,23 +137,22 @@ def adam_step(params, grads, exp_avg, exp_avg_sq, step: int, lr: float, *, betas
             or step != int(step) or step < 1):
         raise ValueError(f"{name}: step must be an integer >= 1 (this step's number), got {step!r}")
     common.check_hyperparameters(name, lr, eps, betas, weight_decay)
-    grad_scale = _check_scale(name, grad_scale)
-    beta1, beta2 = betas
-    return _launch(params, grads, exp_avg, exp_avg_sq, copies, step=int(step), lr=lr, beta1=beta1, beta2=beta2,
-                   eps=eps, weight_decay=weight_decay, adamw=adamw_mode, bias_correction=bias_correction,
-                   grad_multiplier=1.0 / grad_scale, check_finite=check_finite,
-                   seed=common.stream_seed(step, 0) if seed is None else int(seed) & 0xFFFFFFFF)
+    return params, grads, exp_avg, exp_avg_sq, copies, _check_scale(name, grad_scale)
 
 
 def has_inf_or_nan(grads, grad_scale: float = 1.0) -> bool:
-    """True when a value of ``grads`` (a contiguous CPU float32/float16/bfloat16 tensor or a list of
-    them) divided by ``grad_scale`` is inf or nan: one read-only pass that stops at the first one.
+    """True when a value of ``grads`` (a contiguous float32/float16/bfloat16 tensor or a list of
+    them, on one device) divided by ``grad_scale`` is inf or nan: one read-only pass that stops at
+    the first one (on a device: a multi-tensor read of the largest magnitudes, one synchronisation).
     The per-rank half of a global overflow check (all-reduce the result, then ``adam_step``)."""
     name = "has_inf_or_nan"
     tensors = _tensor_list(name, "grads", grads)
+    device = tensors[0].device if tensors[0].device.type != "meta" else torch.device("cpu")
     for i, g in enumerate(tensors):
-        _check_buffer(name, f"grads[{i}]", g, g.numel(), tuple(common.DTYPE_CODES))
+        _check_buffer(name, f"grads[{i}]", g, g.numel(), tuple(common.DTYPE_CODES), device)
     grad_scale = _check_scale(name, grad_scale)
+    if device.type != "cpu":
+        return _adam_device.found_non_finite(tensors, grad_scale)
     kernel = CPUAdamBuilder().load()
     by_dtype = defaultdict(list)
     for g in tensors:
@@ -124,9 +179,14 @@ def _tensor_list(name: str, what: str, value) -> list[torch.Tensor]:
     raise ValueError(f"{name}: {what} must be a tensor or a non-empty list of tensors, got {type(value).__name__}")
 
 
-def _check_buffer(name: str, what: str, t: torch.Tensor, numel: int, dtypes: tuple) -> None:
-    if t.device.type != "cpu" or t.layout != torch.strided or not t.is_contiguous():
-        raise ValueError(f"{name}: {what} must be a contiguous dense CPU tensor, got {t.layout} on {t.device}"
+_CPU = torch.device("cpu")
+
+
+def _check_buffer(name: str, what: str, t: torch.Tensor, numel: int, dtypes: tuple,
+                  device: torch.device = _CPU) -> None:
+    if t.device != device or t.layout != torch.strided or not t.is_contiguous():
+        where = "CPU tensor" if device.type == "cpu" else f"tensor on {device}"
+        raise ValueError(f"{name}: {what} must be a contiguous dense {where}, got {t.layout} on {t.device}"
                          f"{'' if t.layout != torch.strided or t.is_contiguous() else ', not contiguous'}")
     if t.dtype not in dtypes:
         raise ValueError(f"{name}: {what} is {t.dtype}; allowed: {', '.join(str(d) for d in dtypes)}")
@@ -306,12 +366,16 @@ class FusedAdam(_AdamKernel):
     """Adam/AdamW applied to all tensors of a group in one multi-tensor kernel call per step.
 
     CPU tensors run the ds-ops ``cpu_adam`` kernel. Device (CUDA) tensors run torch's fused
-    multi-tensor Adam (``torch._fused_adam_``/``_fused_adamw_``); that path has not yet been verified on
-    a GPU in this project, and it needs ``bias_correction=True`` (torch's kernel always corrects).
+    multi-tensor Adam (``torch._fused_adam_``/``_fused_adamw_``, the kernel of
+    ``torch.optim.AdamW(fused=True)``; ds-ops builds no CUDA kernel of its own), through the same
+    code as ``adam_step`` on device buffers: computed in float32 (16-bit parameters and
+    ``state_dtype=torch.bfloat16`` states stored rounded to nearest, not stochastically as on
+    CPU), ``bias_correction=False`` in ``torch._foreach_*`` ops.
+    That path is tested on CPU tensors in CI and on a GPU by the ``cuda``-marked tests.
     """
 
     _NAME = "FusedAdam"
-    _warned_device = False
+    _torch_path = False  # True: CPU tensors take the device path too (how the tests run it on CPU)
 
     def __init__(self, params, lr: float = 1e-3, bias_correction: bool = True, betas=(0.9, 0.999),
                  eps: float = 1e-8, adam_w_mode: bool = True, weight_decay: float = 0.0, amsgrad: bool = False,
@@ -328,8 +392,8 @@ class FusedAdam(_AdamKernel):
         loss = common.closure_loss(closure)
         for gi, group in enumerate(self.param_groups):
             params = [p for p in group["params"] if p.grad is not None]
-            cpu = [p for p in params if p.device.type == "cpu"]
-            device = [p for p in params if p.device.type != "cpu"]
+            cpu = [p for p in params if p.device.type == "cpu" and not self._torch_path]
+            device = [p for p in params if p.device.type != "cpu" or self._torch_path]
             if cpu:
                 self._cpu_step(gi, group, cpu)
             if device:
@@ -337,27 +401,43 @@ class FusedAdam(_AdamKernel):
         return loss
 
     def _device_step(self, group: dict, params: list[torch.Tensor]) -> None:
-        if not group["bias_correction"]:
-            raise ValueError("FusedAdam: bias_correction=False is supported for CPU tensors only "
-                             "(torch's fused device kernel always corrects)")
-        if group["state_dtype"] != "float32":
-            raise ValueError("FusedAdam: state_dtype=torch.bfloat16 is supported for CPU tensors only")
-        if not FusedAdam._warned_device:
-            logger.warning("FusedAdam on %s uses torch's fused Adam kernel; this path has not been verified on a "
-                           "GPU in ds-ops yet", params[0].device)
-            FusedAdam._warned_device = True
-        exp_avgs, exp_avg_sqs, steps = [], [], []
+        """torch's fused kernel over ``params``, one call per (device, dtypes of parameter, gradient, state)."""
+        for p in params:  # every check before any state is touched
+            _check_device_param(self._NAME, p)
+        batches = defaultdict(list)
         for p in params:
-            state = self.state[p]
-            if "step" not in state:
-                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-            state["step"] = state["step"].to(p.device)
-            exp_avgs.append(common.state_tensor(state, "exp_avg", p, p.dtype))
-            exp_avg_sqs.append(common.state_tensor(state, "exp_avg_sq", p, p.dtype))
-            steps.append(state["step"])
-        fused = torch._fused_adamw_ if self.adamw_mode else torch._fused_adam_
+            batches[(p.device, p.dtype, p.grad.dtype, common.state_dtype_of(group, p))].append(p)
         beta1, beta2 = group["betas"]
-        torch._foreach_add_(steps, 1)
-        fused(params, [p.grad for p in params], exp_avgs, exp_avg_sqs, [], steps, lr=group["lr"], beta1=beta1,
-              beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"], amsgrad=False, maximize=False)
+        for (device, _, _, state_dtype), ps in batches.items():
+            exp_avgs, exp_avg_sqs, steps = [], [], []
+            for p in ps:
+                state = self.state[p]
+                step = state.get("step", 0.0)
+                state["step"] = torch.as_tensor(step, dtype=torch.float32).to(device)
+                exp_avgs.append(common.state_tensor(state, "exp_avg", p, state_dtype))
+                exp_avg_sqs.append(common.state_tensor(state, "exp_avg_sq", p, state_dtype))
+                steps.append(state["step"])
+            torch._foreach_add_(steps, 1)
+            _adam_device.update(ps, [p.grad for p in ps], exp_avgs, exp_avg_sqs, [None] * len(ps), steps,
+                                lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                                weight_decay=group["weight_decay"], adamw=self.adamw_mode,
+                                bias_correction=group["bias_correction"], grad_scale=1.0)
 
+
+def _check_device_param(name: str, p: torch.Tensor) -> None:
+    """A parameter and its gradient as the device path takes them (contiguous, dense, one device)."""
+    where = f"{name}: parameter of shape {tuple(p.shape)} on {p.device}"
+    grad = p.grad
+    if p.dtype not in (torch.float32, *common.HALF_DTYPES):
+        raise ValueError(f"{where} is {p.dtype}; {name} updates float32, bfloat16 or float16 parameters")
+    if not p.is_contiguous():
+        raise ValueError(f"{where} is not contiguous; call .contiguous() on it before building the optimizer")
+    if grad.layout != torch.strided or grad.dtype not in common.DTYPE_CODES or not grad.is_contiguous():
+        raise ValueError(f"{where} has a gradient that is {grad.dtype}, {grad.layout}"
+                         f"{'' if grad.layout != torch.strided or grad.is_contiguous() else ', not contiguous'}"
+                         "; gradients must be dense contiguous tensors of float32, float16 or bfloat16")
+    if grad.device != p.device or grad.shape != p.shape:
+        raise ValueError(f"{where} has a gradient of shape {tuple(grad.shape)} on {grad.device}")
+    if p.dtype in common.HALF_DTYPES and grad.dtype != p.dtype:
+        raise ValueError(f"{where} is {p.dtype} and its gradient {grad.dtype}; a 16-bit parameter needs a "
+                         "gradient of its own dtype")

@@ -5,8 +5,10 @@ ratio clamped to [min_coeff, max_coeff], as DeepSpeed's FusedLamb.
     u = m^ / (sqrt(v^) + eps) + wd*p;  r = clamp(|p| / |u|, min_coeff, max_coeff)  (1 if a norm is 0)
     p = p - lr * r * u
 
-CPU tensors run the ``cpu_lamb`` kernel (two passes per tensor, no temporary); other devices run
-the same equations with torch ops (not yet verified on a GPU in this project).
+CPU tensors run the ``cpu_lamb`` kernel (two passes per tensor, no temporary); other devices (CUDA)
+run the same equations with torch ops, float32 states, the trust ratio computed on the device and
+the step's ratios read back once at its end (``lamb_coeffs``). That path is tested on CPU tensors
+in CI (``_torch_path``) and on a GPU by the ``cuda``-marked tests.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from .op_builder import CPULambBuilder
 
 class FusedLamb(torch.optim.Optimizer):
     _NAME = "FusedLamb"
+    _torch_path = False  # True: CPU tensors take the device path too (how the tests run it on CPU)
 
     def __init__(self, params, lr: float = 1e-3, bias_correction: bool = True, betas=(0.9, 0.999), eps: float = 1e-8,
                  eps_inside_sqrt: bool = False, weight_decay: float = 0.0, max_grad_norm: float = 0.0,
@@ -42,16 +45,22 @@ class FusedLamb(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         loss = common.closure_loss(closure)
-        self.lamb_coeffs = []
+        coeffs = []  # floats (CPU kernel) and device scalars (torch path), read once at the end
         for gi, group in enumerate(self.param_groups):
             params = [p for p in group["params"] if p.grad is not None]
+            if group["state_dtype"] != "float32" and any(p.device.type != "cpu" or self._torch_path for p in params):
+                raise ValueError("FusedLamb: state_dtype=torch.bfloat16 is supported for CPU tensors only "
+                                 "(device tensors keep float32 states)")
             scale = self._clip_scale(group, params)
             for p in params:
                 step = common.next_step(self.state[p])
-                if p.device.type == "cpu":
-                    self._cpu_update(gi, group, p, step, scale)
+                if p.device.type == "cpu" and not self._torch_path:
+                    coeffs.append(self._cpu_update(gi, group, p, step, scale))
                 else:
-                    self._torch_update(group, p, step, scale)
+                    coeffs.append(self._torch_update(group, p, step, scale))
+        tensors = [c for c in coeffs if torch.is_tensor(c)]
+        values = iter(torch.stack([c.to(tensors[0].device) for c in tensors]).tolist() if tensors else [])
+        self.lamb_coeffs = [next(values) if torch.is_tensor(c) else c for c in coeffs]
         return loss
 
     @staticmethod
@@ -68,7 +77,7 @@ class FusedLamb(torch.optim.Optimizer):
         beta1, beta2 = group["betas"]
         return 1.0 - beta1**step, 1.0 - beta2**step
 
-    def _cpu_update(self, gi: int, group: dict, p: torch.Tensor, step: float, scale: float) -> None:
+    def _cpu_update(self, gi: int, group: dict, p: torch.Tensor, step: float, scale: float) -> float:
         common.check_cpu_param(self._NAME, p)
         state_dtype = common.state_dtype_of(group)
         state = self.state[p]
@@ -81,9 +90,11 @@ class FusedLamb(torch.optim.Optimizer):
             common.DTYPE_CODES[p.grad.dtype], common.DTYPE_CODES[state_dtype], group["lr"], beta1, beta2,
             group["eps"], group["weight_decay"], bc1, bc2, group["max_coeff"], group["min_coeff"], scale,
             group["eps_inside_sqrt"], common.stream_seed(step, gi), common.num_threads())
-        self.lamb_coeffs.append(ratio)
+        return ratio
 
-    def _torch_update(self, group: dict, p: torch.Tensor, step: float, scale: float) -> None:
+    def _torch_update(self, group: dict, p: torch.Tensor, step: float, scale: float) -> torch.Tensor:
+        """The update in torch ops on ``p``'s device; returns the trust ratio as a device scalar (no
+        synchronisation per parameter)."""
         state = self.state[p]
         m = common.state_tensor(state, "exp_avg", p, torch.float32)
         v = common.state_tensor(state, "exp_avg_sq", p, torch.float32)
@@ -94,9 +105,9 @@ class FusedLamb(torch.optim.Optimizer):
         v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
         v_hat = v / bc2
         denom = (v_hat + group["eps"]).sqrt() if group["eps_inside_sqrt"] else v_hat.sqrt() + group["eps"]
-        u = (m / bc1) / denom + group["weight_decay"] * p
-        p_norm, u_norm = float(p.norm()), float(u.norm())
-        ratio = p_norm / u_norm if p_norm > 0.0 and u_norm > 0.0 else 1.0
-        ratio = min(group["max_coeff"], max(group["min_coeff"], ratio))
-        p.add_(u, alpha=-group["lr"] * ratio)
-        self.lamb_coeffs.append(ratio)
+        u = (m / bc1) / denom + group["weight_decay"] * p.float()
+        p_norm, u_norm = torch.linalg.vector_norm(p.float()), torch.linalg.vector_norm(u)
+        ratio = torch.where((p_norm > 0) & (u_norm > 0), p_norm / u_norm, torch.ones_like(p_norm))
+        ratio = ratio.clamp(group["min_coeff"], group["max_coeff"])
+        p.addcmul_(u, ratio, value=-group["lr"])
+        return ratio

@@ -1,7 +1,7 @@
 """``ds-report``: what this machine offers ds's native ops, like DeepSpeed's ``ds_report``.
 
-Versions (Python, torch, every installed ds package), compiler, ninja, SIMD level, the op cache,
-and a table of every op (ds-ops' and those other packages register under the ``ds_ops.builders``
+Versions (Python, torch, every installed ds package), compiler, ninja, nvcc, the GPU, SIMD level,
+the op cache, which kernel each optimizer runs on CUDA tensors, and a table of every op (ds-ops' and those other packages register under the ``ds_ops.builders``
 entry point, e.g. ds-io's) with whether it can be built here, whether it is built, and why not.
 ``--build`` builds every compatible op that is not built yet, several at once (up to the number
 of cores, or ``MAX_JOBS``), and exits 1 when any op is not built. A bad environment variable
@@ -13,6 +13,8 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import shutil
+import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from importlib import metadata
@@ -47,6 +49,47 @@ def ds_versions() -> tuple[list[tuple[str, str]], list[str]]:
         except metadata.PackageNotFoundError:
             missing.append(name)
     return installed, missing
+
+
+# What each optimizer runs on CUDA tensors. ds-ops builds no CUDA kernel: torch's fused multi-tensor
+# Adam is what torch.optim.AdamW(fused=True) runs, and the reference the GPU check measures against.
+CUDA_KERNELS = (
+    ("FusedAdam", "torch's fused multi-tensor Adam (torch._fused_adamw_ / _fused_adam_), float32 states"),
+    ("adam_step", "torch's fused multi-tensor Adam; 16-bit gradients widened in float32 scratch"),
+    ("FusedLamb", "torch ops on the device (trust ratio on the device, one read per step)"),
+    ("CPUAdam", "host tensors only: the cpu_adam kernel (ZeRO-Offload's step on the host)"),
+)
+
+
+def nvcc() -> str:
+    """nvcc's path and release (``nvcc --version``), from PATH or CUDA_HOME/CUDA_PATH; or why not."""
+    found = shutil.which("nvcc")
+    if found is None:
+        for variable in ("CUDA_HOME", "CUDA_PATH"):
+            home = os.environ.get(variable)
+            if home and os.access(os.path.join(home, "bin", "nvcc"), os.X_OK):
+                found = os.path.join(home, "bin", "nvcc")
+                break
+    if found is None:
+        return "not found (not on PATH, nor in CUDA_HOME/bin; ds-ops builds no CUDA op: not needed)"
+    try:
+        out = subprocess.run([found, "--version"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"{found} — cannot run it: {e}"
+    release = [line.strip() for line in out.splitlines() if "release" in line]
+    return f"{found} — {release[-1] if release else (out.strip().splitlines() or ['no version printed'])[-1]}"
+
+
+def gpu() -> str:
+    """The CUDA device(s) torch sees, or why there are none."""
+    import torch
+
+    if not torch.cuda.is_available():
+        build = f"CUDA {torch.version.cuda} build" if torch.version.cuda else "a CPU-only build"
+        return f"none (torch.cuda.is_available() is False; torch is {build})"
+    count = torch.cuda.device_count()
+    major, minor = torch.cuda.get_device_capability(0)
+    return f"{torch.cuda.get_device_name(0)} (compute capability {major}.{minor}){f', {count} devices' if count > 1 else ''}"
 
 
 def build_jobs() -> int:
@@ -97,6 +140,8 @@ def _report(build: bool) -> tuple[str, dict[str, str]]:
             *([("not installed", ", ".join(missing))] if missing else []),
             ("compiler", f"{cxx} — {system.compiler_version(cxx)}" if cxx else f"none: {compiler_problem}"),
             ("ninja", system.ninja() or "not found (pip install ninja)"),
+            ("nvcc", nvcc()),
+            ("GPU", gpu()),
             ("pybind11", str(system.pybind11_include() or "not found (pip install pybind11)")),
             ("CPU", system.cpu_summary()),
             ("SIMD", f"{system.simd_choice()} → {OpBuilder().simd_level() if cxx else 'unknown'}"),
@@ -104,6 +149,9 @@ def _report(build: bool) -> tuple[str, dict[str, str]]:
     width = max(len(name) for name, _ in rows) + 1
     lines = ["ds-report: native ops of ds", "-" * 72]
     lines += [f"{name:<{width}}{value}" for name, value in rows]
+    state = "available here" if torch.cuda.is_available() else "no GPU here"
+    lines += ["-" * 72, f"on CUDA tensors ({state})", "-" * 72]
+    lines += [f"{name:<14}{kernel}" for name, kernel in CUDA_KERNELS]
     lines += ["-" * 72, f"{'op':<14}{'compatible':<12}{'built':<8}note", "-" * 72]
     builders = {name: cls() for name, cls in sorted(all_builders().items())}
     compatibility = {name: builder.compatibility() for name, builder in builders.items()}
