@@ -178,13 +178,28 @@ def _tensor_states(zero: ZeroOptimizer) -> tuple[list[str], list[str]]:
     return sized, scalars
 
 
+def _on_host(t: torch.Tensor, back: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> torch.Tensor:
+    """``t`` where DCP's files are written from and read into: itself on the host; a host copy of a
+    device tensor (``back``: gets (device tensor, copy), for a load to copy the values read back)."""
+    if t.device.type == "cpu":
+        return t
+    host = t.detach().to("cpu")
+    if back is not None:
+        back.append((t, host))
+    return host
+
+
 def _piece_entries(zero: ZeroOptimizer, sized: list[str], skip: set[str] = frozenset(),
-                   copy: bool = False, lazy: NvmeEntries | None = None) -> dict[str, ShardedTensor]:
+                   copy: bool = False, lazy: NvmeEntries | None = None,
+                   back: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> dict[str, ShardedTensor]:
     """``master/<name>`` and ``optim/<key>/<name>`` for every parameter but ``skip``: ShardedTensors whose
-    local shard is a view of this rank's piece (nothing, where it holds none; ``copy``: a copy of it).
-    DCP reads them to save and writes into them to load. ``lazy`` (ZeRO-Infinity): the pieces on NVMe
-    are placeholders, registered there for its planners to move."""
+    local shard is a view of this rank's piece (nothing, where it holds none; ``copy``: a copy of it;
+    a host copy of a piece on a device, listed in ``back`` for a load). DCP reads them to save and
+    writes into them to load. ``lazy`` (ZeRO-Infinity): the pieces on NVMe are placeholders,
+    registered there for its planners to move."""
     def view(t: torch.Tensor) -> torch.Tensor:
+        if t.device.type != "cpu":
+            return _on_host(t, back)
         return t.clone() if copy else t
 
     names, by_param, master = _names(zero), _pieces_by_param(zero), _master(zero)
@@ -268,8 +283,8 @@ def zero_state(zero: ZeroOptimizer, exclude_frozen_parameters: bool = False,
     out.update(_other_entries(zero, exclude_frozen_parameters))
     if hasattr(zero.optimizer, "rank_state"):  # a 1-bit optimizer's error feedback: this rank's own
         out.update({f"rank_state/{zero.rank}/{key}": t for key, t in zero.optimizer.rank_state().items()})
-    return {k: v.clone() if copy and torch.is_tensor(v) and not isinstance(v, ShardedTensor) else v
-            for k, v in out.items()}
+    return {k: (v.clone() if copy and v.device.type == "cpu" else _on_host(v))
+            if torch.is_tensor(v) and not isinstance(v, ShardedTensor) else v for k, v in out.items()}
 
 
 def zero_metadata(zero: ZeroOptimizer, exclude_frozen_parameters: bool = False,
@@ -387,8 +402,9 @@ def load_zero_state(zero: ZeroOptimizer, checkpoint_id: Any, meta: dict[str, Any
         state = zero.optimizer.state[tensor]
         for key in sized:
             if key not in state:
-                state[key] = torch.zeros_like(tensor, dtype=fresh[id(tensor)])
+                state[key] = torch.zeros_like(tensor, dtype=fresh[id(tensor)], device=tensor.device)
     wanted: dict[str, Any] = {}
+    back: list[tuple[torch.Tensor, torch.Tensor]] = []  # device tensors read through host copies
     if zero.stage == 0:  # every rank holds everything: whole tensors, read from whichever shards hold them
         master = _master(zero)
         for index, name in enumerate(_names(zero)):
@@ -399,18 +415,22 @@ def load_zero_state(zero: ZeroOptimizer, checkpoint_id: Any, meta: dict[str, Any
                 state = zero.optimizer.state[zero._step_params[run]]
                 wanted[f"optim/{key}/{name}"] = state[key][at:at + slot.numel]
     else:
-        wanted.update(_piece_entries(zero, sized, lazy=lazy))
+        wanted.update(_piece_entries(zero, sized, lazy=lazy, back=back))
     wanted = {key: value for key, value in wanted.items() if key in saved_keys}  # strict: every one of them
-    scalar_values = {key: torch.zeros(()) for key in scalars}
+    scalar_values = {key: torch.zeros((), device="cpu") for key in scalars}
     wanted.update({f"optim_scalar/{key}": value for key, value in scalar_values.items()})
     wanted.update(_module_entries(zero, meta, saved_metadata, "ZeroOptimizer.load", strict, parts))
     rank_state = _rank_state_wanted(zero, meta, saved_keys) if load_optimizer else None
     wanted.update({f"rank_state/{zero.rank}/{key}": t for key, t in (rank_state or {}).items()})
+    wanted = {key: _on_host(value, back) if torch.is_tensor(value) and not isinstance(value, ShardedTensor) else value
+              for key, value in wanted.items()}
     wanted.update(extra or {})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         dcp.load(wanted, storage_reader=_reader(checkpoint_id),
                  planner=lazy.load_planner() if lazy is not None else None)
+    for target, host in back:  # the values read, into the device tensors
+        target.copy_(host)
     _load_frozen(zero, wanted)
     for key, value in scalar_values.items():
         for tensor in zero._step_params:

@@ -256,7 +256,9 @@ class _CompressedAdam(torch.optim.Optimizer):
         for index, flat in enumerate(self._flat):
             if flat is not None:
                 worker, server = ds_comm.error_buffer_sizes(flat.numel, self.world_size)
-                out[f"{index}/worker_error"], out[f"{index}/server_error"] = torch.zeros(worker), torch.zeros(server)
+                device = flat.params[0].device
+                out[f"{index}/worker_error"] = torch.zeros(worker, device=device)
+                out[f"{index}/server_error"] = torch.zeros(server, device=device)
         return out
 
     def load_rank_state(self, state: dict[str, torch.Tensor] | None) -> None:
@@ -272,7 +274,8 @@ class _CompressedAdam(torch.optim.Optimizer):
                                      f"{sizes[0]} + {sizes[1]} (ds_comm.error_buffer_sizes): saved for other "
                                      "parameters, another world size, or by a ds-zero whose buffers held the "
                                      "errors themselves")
-                errors[index] = (pair[0].clone(), pair[1].clone())
+                device = flat.params[0].device if flat is not None else pair[0].device  # a host copy comes back
+                errors[index] = (pair[0].to(device, copy=True), pair[1].to(device, copy=True))
         self._errors = errors
 
     def state_dict(self) -> dict[str, Any]:

@@ -7,7 +7,7 @@ parameter, frozen or not; so does `FrozenShards`: the frozen parameters get a fl
 own, laid out and filled as `ZeroInference` lays out a model without an optimizer (one unit per module
 that owns frozen parameters, each rank keeping one shard of each), and a `Stage3` of their own gathers
 a module's frozen units around its forward (and backward, where autograd needs them) and releases them
-after. Nothing here has gradients: the units are never reduced, only gathered.
+after, on the model's device as the trainable ones (the partition on the host with ``offload_param``). Nothing here has gradients: the units are never reduced, only gathered.
 
 The two `Stage3`s of one model share autograd's saved-tensor hooks (only the innermost pair applies):
 the frozen one's, pushed after the trainable one's, saves a view of either's gathered buffer as a
@@ -28,6 +28,7 @@ from ._inference import ZeroInference
 from ._layout import FlatLayout
 from ._model import full_shape
 from ._stage3 import Stage3, plan_units
+from ._stage3_offload import partition_buffer
 
 
 def partitioned_frozen(model: nn.Module, stage: int, dtype: torch.dtype, managed: set[int]) -> list[nn.Parameter]:
@@ -92,12 +93,13 @@ class FrozenShards:
     def __init__(self, model: nn.Module, params: list[nn.Parameter], config: Any, group: Any, dtype: torch.dtype,
                  peer: Stage3):
         self.params, self.group, self.dtype = params, group, dtype
+        self.device = peer.device  # the model's (the partition: there, or on the host with offload_param)
         self.world_size, self.rank = ds_comm.get_world_size(group), ds_comm.get_rank(group)
         units, hooked = plan_units(model, params, config.leaf_module)
         self.layout = FlatLayout([full_shape(p) for p in params], world_size=self.world_size, bucket_size=1,
                                  groups=[members for _, members in units])
         starts = self.layout.partition_offsets()
-        self._partition = torch.zeros(self.layout.shard_numel, dtype=dtype)
+        self._partition = partition_buffer(self.layout.shard_numel, dtype, self.device, config)
         ZeroInference._fill(self, params, starts)  # (whole or built under Init: this rank's shards, then released)
         self.stage3 = _FrozenStage3(model, params, self.layout, [name for name, _ in units], hooked,
                                     self._partition, starts, config, group, lambda *_: None)

@@ -4,7 +4,8 @@ Every parameter of the model (trainable or frozen) is partitioned as `ZeroOptimi
 stage-3 model (one unit per module that owns parameters, each rank keeping one shard of each unit),
 and `Stage3`'s hooks gather a module's units around its forward and release them after. Nothing
 here computes gradients or steps: a model built under `Init` (or not) runs its forward with 1/N of
-its parameters held between forwards.
+its parameters held between forwards. The model stays on its device (a GPU's or the CPU): the gather
+buffers are there, and the partition too, or on the host with ``offload_param: {device: cpu}``.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from ._model import (
 from ._not_built import refuse_what_is_not_built
 from ._precision import DTYPES, cast_floating_inputs
 from ._stage3 import Stage3, plan_units
+from ._stage3_offload import partition_buffer
 from ._state import State
 from .config import BF16Config, FP16Config, ZeroConfig, mixed_precision
 
@@ -77,13 +79,15 @@ class ZeroInference:
             if hasattr(p, "_ds_stage3"):
                 raise ValueError(f"ZeroInference: parameter {param_name(model, p)} is managed by another stage-3 "
                                  "ZeroOptimizer or ZeroInference; close() that one first")
-            if p.device.type != "cpu":
-                raise NotImplementedError(f"ZeroInference: parameter {param_name(model, p)} is on {p.device}; ds-zero "
-                                          f"{version()} runs CPU models over gloo (its CUDA path is not built yet)")
         if precision != "fp32":
             for p in params:
                 if p.is_floating_point() and p.dtype != DTYPES[precision] and not hasattr(p, "ds_init_store"):
                     p.data = p.data.to(DTYPES[precision])
+        devices = {p.device for p in params if not p.is_meta}
+        if len(devices) > 1:
+            raise ValueError(f"ZeroInference: the model's parameters are on several devices "
+                             f"({sorted(map(str, devices))}); move the model to one device first")
+        self.device = devices.pop() if devices else torch.device("cpu")
         dtypes = {p.dtype for p in params}
         if len(dtypes) != 1:
             raise ValueError(f"ZeroInference: the model's parameters have several dtypes ({sorted(map(str, dtypes))}); "
@@ -91,13 +95,13 @@ class ZeroInference:
         self.model, self.group = model, group
         self.world_size, self.rank = ds_comm.get_world_size(group), ds_comm.get_rank(group)
         self.dtype = dtypes.pop()
-        check_same_model(model, params, group, self.world_size)
+        check_same_model(model, params, group, self.world_size, self.device)
         broadcast_from_first_rank(model, group)
         units, hooked = plan_units(model, params, self.config.leaf_module)
         self.layout = FlatLayout([full_shape(p) for p in params], world_size=self.world_size, bucket_size=1,
                                  groups=[members for _, members in units])
         starts = self.layout.partition_offsets()
-        self._partition = torch.zeros(self.layout.shard_numel, dtype=self.dtype)
+        self._partition = partition_buffer(self.layout.shard_numel, self.dtype, self.device, self.config)
         self._fill(params, starts)
         self._stage3: Stage3 | None = Stage3(model, params, self.layout, [name for name, _ in units], hooked,
                                              self._partition, starts, self.config, group, lambda *_: None)
@@ -117,8 +121,8 @@ class ZeroInference:
                 a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
                 if a < b:
                     shard[a - lo:b - lo].copy_(whole.reshape(-1)[a - slot.offset:b - slot.offset])
-            for index in bucket.slots:
-                params[index].data = torch.empty(0, dtype=self.dtype)
+            for index in bucket.slots:  # released: an empty tensor on the model's device
+                params[index].data = torch.empty(0, dtype=self.dtype, device=self.device)
                 forget_init_partition(params[index])
 
     full_state_dict = State.full_state_dict  # the model's state_dict, every parameter whole (a collective)

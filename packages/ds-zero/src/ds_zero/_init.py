@@ -7,7 +7,15 @@ one rank: at most its slices plus the one module being built. With ``remote_devi
 slices go to files under ``offload_param.nvme_path`` as they are made, so RAM holds only the module
 being built (a model whose 1/N does not fit either). A module built on the meta device
 (``torch.nn.utils.skip_init``) is partitioned when ``to_empty`` gives it memory, with the values it
-left (uninitialised, as skip_init promises; rank 0's). `ZeroOptimizer` at stage 3 takes such
+left (uninitialised, as skip_init promises; rank 0's).
+
+Devices, as DeepSpeed's: modules are built on the accelerator's current device
+(``get_accelerator().current_device_name()``: the default device inside the block), one at a time, and
+each is partitioned as its constructor returns, so a model larger than one device's memory is never
+whole on it: the device holds the slices plus the module being built. The slices stay on the device
+(``remote_device`` "none", the default), or go to the host (page-locked with ``pin_memory``) or NVMe;
+the partitioned parameters' empty tensors are on the device. On the CPU accelerator all of it is
+host memory, as before. `ZeroOptimizer` at stage 3 takes such
 a model as it is (it gathers one unit at a time to lay out its partitions); below stage 3 it makes
 the parameters whole first.
 """
@@ -30,6 +38,7 @@ import torch
 from torch import nn
 
 import ds_comm
+import ds_ops
 from ds_io import AioConfig, TensorSwapper
 
 from ._model import gather_init_partitioned, init_shard, is_init_partitioned
@@ -56,8 +65,9 @@ class Init:
     ``mem_efficient_linear`` (accepted: stage 3 keeps no whole weight for any layer's backward, linear
     or not), ``remote_device`` ("cpu": the slices in CPU memory; "nvme": in files under the config's
     ``zero_optimization.offload_param.nvme_path``, through ds-io with the config's ``aio`` section;
-    default: the config's ``offload_param.device``, else "cpu"), ``pin_memory`` (no effect without
-    CUDA), ``config_dict_or_path`` (or ``config``: the DeepSpeed config, for its fp16/bf16, offload_param
+    "none": on the accelerator's device, where the model is built; default: the config's
+    ``offload_param.device``, else "none"), ``pin_memory`` (slices on the host page-locked; no effect
+    without an accelerator), ``config_dict_or_path`` (or ``config``: the DeepSpeed config, for its fp16/bf16, offload_param
     and aio sections), ``enabled``, ``dtype`` (the parameters' dtype; default: bf16/fp16 from the
     config, else as built).
     """
@@ -75,8 +85,8 @@ class Init:
             if ignored.get(key):
                 raise NotImplementedError(f"ds_zero.Init: {key} (ZeRO++) is not implemented in ds-zero")
         if remote_device not in (None, "cpu", "none", "nvme"):
-            raise ValueError(f"ds_zero.Init: remote_device must be None, 'cpu' or 'nvme', got {remote_device!r} "
-                             "(ds-zero trains CPU models: no accelerator device)")
+            raise ValueError(f"ds_zero.Init: remote_device must be None, 'none' (the accelerator's device), 'cpu' or "
+                             f"'nvme', got {remote_device!r}")
         if config is not None and config_dict_or_path is not None:
             raise ValueError("ds_zero.Init: give config_dict_or_path or config (its old name), not both")
         ds_config = _load(config_dict_or_path if config_dict_or_path is not None else config)
@@ -91,8 +101,12 @@ class Init:
             ds_comm.init_distributed()
         offload = ZeroConfig.from_section_or_ds_config(ds_config).offload_param if ds_config is not None else None
         if remote_device is None:
-            remote_device = offload.device if offload is not None and offload.device == "nvme" else "cpu"
-        self.remote_device = "cpu" if remote_device == "none" else remote_device
+            remote_device = offload.device if offload is not None else "none"
+        self.remote_device = remote_device
+        self.pin_memory = bool(pin_memory)
+        self.device = torch.device(ds_ops.get_accelerator().current_device_name())  # where modules are built
+        # where the slices are kept: the device ("none"), else the host (NVMe: written from there)
+        self._shard_device = self.device if remote_device == "none" else torch.device("cpu")
         self._store = None  # _NvmeShards: where the slices go with remote_device "nvme"
         if self.remote_device == "nvme" and self.enabled:
             if offload is None or not offload.nvme_path:
@@ -119,6 +133,11 @@ class Init:
             self._default_dtype = torch.get_default_dtype()
             if self.dtype in (torch.float16, torch.bfloat16):
                 torch.set_default_dtype(self.dtype)
+            # as DeepSpeed's Init: tensors are made on the accelerator's device (one module whole at a time)
+            # (never set for the CPU: a default device is a torch-function mode every factory call goes through)
+            self._default_device = torch.get_default_device()
+            if self.device.type != "cpu":
+                torch.set_default_device(self.device)
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -127,35 +146,42 @@ class Init:
         with _lock:
             _active.remove(self)
             torch.set_default_dtype(self._default_dtype)
+            if self.device.type != "cpu":
+                torch.set_default_device(None if self._default_device.type == "cpu" else self._default_device)
             if not _active:
                 _unwrap_every_module_class()
 
     def _partition(self, module: nn.Module) -> None:
-        """Keep only this rank's slice of ``module``'s own parameters (not yet partitioned ones)."""
+        """Keep only this rank's slice of ``module``'s own parameters (not yet partitioned ones): each is
+        broadcast on the device (a module given to ``Init(module=...)`` moves there one parameter at a
+        time), and its slice kept where ``remote_device`` says."""
         world, rank = ds_comm.get_world_size(self.group), ds_comm.get_rank(self.group)
         source = ds_comm.get_global_rank(self.group, 0) if self.group is not None else 0
         for p in module.parameters(recurse=False):
             if is_init_partitioned(p) or hasattr(p, "_ds_stage3") or p.is_meta:  # meta: at to_empty (skip_init)
                 continue
-            data = p.data
+            data = p.data.to(self.device)
             if self.dtype is not None and data.is_floating_point():
                 data = data.to(self.dtype)
             data = data.contiguous()
             ds_comm.broadcast(data, src=source, group=self.group)
             shard = -(-data.numel() // world)
             flat = data.reshape(-1)
-            mine = torch.zeros(shard, dtype=data.dtype)
+            mine = torch.zeros(shard, dtype=data.dtype, device=self._shard_device)
+            if self.pin_memory and self.remote_device == "cpu" and self.device.type != "cpu":
+                mine = ds_ops.get_accelerator().pin_memory(mine)
             lo, hi = min(rank * shard, flat.numel()), min((rank + 1) * shard, flat.numel())
             mine[:hi - lo].copy_(flat[lo:hi])
             p.ds_shape, p.ds_numel = data.shape, data.numel()
+            del data, flat  # the whole parameter: gone before the next one is moved
             p.ds_init_group, p.ds_init_shard = self.group, True
             give_id(p)
             p.ds_status, p.ds_persist = ZeroParamStatus.NOT_AVAILABLE, False
             if self._store is not None:
-                self._store.put(p, mine)
-            else:  # as DeepSpeed's: the parameter empty, its shard in ds_tensor
+                self._store.put(p, mine, self.device)
+            else:  # as DeepSpeed's: the parameter empty (on the device), its shard in ds_tensor
                 set_shard(p, mine)
-                p.data = torch.empty(0, dtype=mine.dtype)
+                p.data = torch.empty(0, dtype=mine.dtype, device=self.device)
 
 
 class _NvmeShards:
@@ -171,7 +197,7 @@ class _NvmeShards:
         self._keys = 0
         self.bytes = 0  # on disk now
 
-    def put(self, p: torch.Tensor, shard: torch.Tensor) -> None:
+    def put(self, p: torch.Tensor, shard: torch.Tensor, device: torch.device) -> None:
         free = shutil.disk_usage(self.root).free
         if free < shard.nbytes:
             raise OSError(f"nvme_path '{self.root}' has {free} bytes free; ds_zero.Init(remote_device='nvme') needs "
@@ -181,7 +207,7 @@ class _NvmeShards:
         self.swapper.swap_out([shard], keys=[key]).wait()
         self.bytes += shard.nbytes
         p.ds_init_store, p.ds_init_key = self, key
-        p.data = torch.empty(0, dtype=shard.dtype)
+        p.data = torch.empty(0, dtype=shard.dtype, device=device)
         set_shard(p, torch.empty(0, dtype=shard.dtype), shard.numel())  # DeepSpeed's placeholder: on NVMe
         p.ds_tensor.final_location = "nvme"
 
@@ -301,6 +327,7 @@ def GatheredParameters(params: nn.Parameter | Iterable[nn.Parameter], modifier_r
         return
     owners = units_of(params)
     init_params = [p for p in params if is_init_partitioned(p)]
+    devices = {p: p.device for p in init_params}  # of their empty tensors: the model's device
     shards = {}
     for stage3, units in owners.items():
         for unit in units:
@@ -327,7 +354,7 @@ def GatheredParameters(params: nn.Parameter | Iterable[nn.Parameter], modifier_r
             store = getattr(p, "ds_init_store", None)
             if store is not None and modifier_rank is not None:  # the slice stays on NVMe
                 store.write(p, shards[p])
-            p.data = torch.empty(0, dtype=p.dtype)
+            p.data = torch.empty(0, dtype=p.dtype, device=devices[p])
             p.ds_status = ZeroParamStatus.NOT_AVAILABLE
 
 

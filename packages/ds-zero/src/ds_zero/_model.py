@@ -33,20 +33,33 @@ def param_name(model: nn.Module, param: torch.Tensor) -> str:
     return next((name for name, p in model.named_parameters() if p is param), f"<parameter {tuple(param.shape)}>")
 
 
+def model_device(model: nn.Module, params: list[nn.Parameter]) -> torch.device:
+    """The one device every trainable parameter is on (the CPU or one accelerator); a ValueError naming two
+    parameters on different devices otherwise."""
+    first = params[0]
+    for p in params[1:]:
+        if p.device != first.device:
+            raise ValueError(f"ZeroOptimizer: the trainable parameters must be on one device, but "
+                             f"{param_name(model, first)} is on {first.device} and {param_name(model, p)} on "
+                             f"{p.device}; move the model with model.to(device) first")
+    return first.device
+
+
 def short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def check_same_model(model: nn.Module, params: list[nn.Parameter], group: Any, world_size: int) -> None:
+def check_same_model(model: nn.Module, params: list[nn.Parameter], group: Any, world_size: int,
+                     device: torch.device | str = "cpu") -> None:
     """Every rank must lay out the same parameters: compare a fingerprint of their names, shapes and
-    dtypes (one small all-gather) and name the first difference on every rank, instead of hanging in
-    a collective of mismatched sizes later."""
+    dtypes (one small all-gather, on ``device``: the model's, where its backend communicates) and name
+    the first difference on every rank, instead of hanging in a collective of mismatched sizes later."""
     names = {id(p): name for name, p in model.named_parameters()}
     described = [(names.get(id(p), "?"), tuple(full_shape(p)), str(p.dtype)) for p in params]
     digest = hashlib.sha256(repr(described).encode()).digest()[:8]
-    mine = torch.tensor([int.from_bytes(digest, "little", signed=True)], dtype=torch.int64)
-    everyone = torch.zeros(world_size, dtype=torch.int64)
+    mine = torch.tensor([int.from_bytes(digest, "little", signed=True)], dtype=torch.int64, device=device)
+    everyone = torch.zeros(world_size, dtype=torch.int64, device=device)
     ds_comm.all_gather_into_tensor(everyone, mine, group=group)
     if bool((everyone == everyone[0]).all()):
         return
@@ -93,8 +106,10 @@ def gather_init_partitioned(p: torch.Tensor, group: Any = None) -> torch.Tensor:
     """The whole value of a parameter `Init` partitioned (a collective over its group)."""
     group = getattr(p, "ds_init_group", group)
     world = ds_comm.get_world_size(group)
-    shard = init_shard(p).reshape(-1).to(p.dtype)  # p cast since (model.half()): its shard follows
-    full = torch.empty(shard.numel() * world, dtype=p.dtype)
+    # p cast since (model.half()): its shard follows; a shard kept on the host (remote_device "cpu") is
+    # gathered on the parameter's device, where the collective's backend (NCCL) can reach it
+    shard = init_shard(p).reshape(-1).to(device=p.device, dtype=p.dtype)
+    full = torch.empty(shard.numel() * world, dtype=p.dtype, device=p.device)
     ds_comm.all_gather_bucket(full, shard, group=group)
     return full[:p.ds_numel].view(p.ds_shape)
 

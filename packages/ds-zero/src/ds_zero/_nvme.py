@@ -72,10 +72,12 @@ class NvmeOptimizer:
         self.pipeline_read, self.pipeline_write = pipeline_read, pipeline_write
         sets = 2 if (pipeline_read or pipeline_write) and len(self.chunks) > 1 else 1
         largest = max(n for _, n in self.chunks)
-        self._buffers = [{kind: torch.zeros(largest, dtype=torch.float32) for kind in self.kinds} for _ in range(sets)]
+        # host buffers (the disk's I/O reads and writes host memory; a device model's come through _offload's)
+        self._buffers = [{kind: torch.zeros(largest, dtype=torch.float32, device="cpu") for kind in self.kinds}
+                         for _ in range(sets)]
         if param_dtype is not None:
             for buffers in self._buffers:
-                buffers["param"] = torch.zeros(largest, dtype=param_dtype)
+                buffers["param"] = torch.zeros(largest, dtype=param_dtype, device="cpu")
         self._writes: list[Any] = [None] * sets
         self.bytes_read = self.bytes_written = 0  # by the optimizer's steps
         self.fetch_bytes_read = 0  # parameter shards read for stage 3's gathers
@@ -121,14 +123,15 @@ class NvmeOptimizer:
                           fetch: bool = True) -> tuple[Any, torch.Tensor]:
         """Start reading elements ``[start, start + n)`` of the parameter partition (on NVMe);
         ``fetch``: for a gather (counted in ``fetch_bytes_read``), not for the optimizer's step."""
-        out = torch.empty(n, dtype=self.param_dtype) if out is None else out
+        out = torch.empty(n, dtype=self.param_dtype, device="cpu") if out is None else out
         if fetch:
             self.fetch_bytes_read += n * self._param_size
         return self.swapper.swap_in([PARAMS], out=[out], offset=start * self._param_size), out
 
     def write_params(self, start: int, values: torch.Tensor) -> None:
         """Overwrite elements ``[start, start + len(values))`` of the parameter partition (on NVMe)."""
-        self.swapper.swap_out([values.contiguous()], keys=[PARAMS], offset=start * self._param_size).wait()
+        values = values.to("cpu").contiguous()  # from a device: through the host
+        self.swapper.swap_out([values], keys=[PARAMS], offset=start * self._param_size).wait()
 
     def step(self, params: torch.Tensor | None, grads: torch.Tensor, step: int, hyper: dict[str, Any],
              grad_scale: float) -> None:
@@ -192,7 +195,7 @@ class NvmeOptimizer:
     def write_range(self, kind: str, start: int, values: torch.Tensor) -> None:
         """Overwrite elements ``[start, start + len(values))`` of ``kind`` (as `read_range`) in place:
         GatheredParameters' changes to the master copy, a checkpoint's pieces."""
-        values = values.reshape(-1)
+        values = values.reshape(-1).to("cpu")  # from a device: through the host
         if kind == "param":
             self.write_params(start, values)
             return
@@ -213,7 +216,7 @@ class NvmeOptimizer:
 
     def read_all(self) -> dict[str, torch.Tensor]:
         """Every kind's whole partition read back (tests, checkpoints)."""
-        out = {kind: torch.empty(self.numel, dtype=torch.float32) for kind in self.kinds}
+        out = {kind: torch.empty(self.numel, dtype=torch.float32, device="cpu") for kind in self.kinds}
         for i, (start, n) in enumerate(self.chunks):
             self.swapper.swap_in(self._keys(i), out=[out[k][start:start + n] for k in self.kinds]).wait()
         return out

@@ -188,6 +188,8 @@ class OffloadStates:
                       *(self._copies or []), *(per_tensor.get(key) for per_tensor in self.optimizer.state.values()
                                                for key in per_tensor)]
         candidates += [t.grad for t in [*self._params, *self._step_params]]
+        if self._host is not None:  # ZeRO-Offload copies from and into these slices of the device buffers
+            candidates += [*self._host.device_grads, *self._host.device_params]
         if self._stage3 is not None:
             candidates.append(self._stage3.partition)
         for tensor in candidates:

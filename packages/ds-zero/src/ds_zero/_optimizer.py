@@ -26,7 +26,8 @@ optimizer is built over a float32 master copy of the part this rank steps (all o
 Adam-family optimizers are then stepped in one fused pass that also writes the new 16-bit
 parameters (`_precision`), others on float32 copies of the gradients. fp16 scales the loss
 (`LossScaler`) and skips the step on every rank when any gradient overflowed. ZeRO-Offload
-(``offload_optimizer.device: cpu``) steps the master partition with ds-ops' CPU Adam.
+(``offload_optimizer.device: cpu``) steps the master partition with ds-ops' CPU Adam on the host, whatever
+the model's device (`_offload`: gradients copied down as their reductions land, parameters copied up).
 ``bf16.bf16_master_weights_and_grads`` (stages 1-3) keeps no float32 copy: as in float32 the
 optimizer steps views of the flat (bf16) buffer with the bf16 gradients, its states in bf16
 (``bf16.bf16_optimizer_states``) or, under ZeRO-Offload, in float32 kept by ds-ops' CPU Adam.
@@ -59,6 +60,7 @@ from ._model import (
     full_shape,
     gather_init_partitioned,
     is_init_partitioned,
+    model_device,
     param_name,
     trainable,
     unpartition,
@@ -66,6 +68,7 @@ from ._model import (
 )
 from ._not_built import refuse_what_is_not_built
 from ._nvme import NvmeOptimizer
+from ._offload import HostOffload, host_places, nvme_step
 from ._offload_states import OffloadStates
 from ._precision import (
     DTYPES,
@@ -80,6 +83,7 @@ from ._precision import (
 from ._reduction import Reduction
 from ._scaler import LossScaler
 from ._stage3 import Stage3, plan_units
+from ._stage3_offload import partition_buffer
 from ._state import State
 from ._state_access import link_parameters
 from .config import BF16Config, FP16Config, ZeroConfig, mixed_precision
@@ -182,13 +186,11 @@ class ZeroOptimizer(Reduction, State, OffloadStates, EngineCalls):
             if hasattr(p, "_ds_stage3"):
                 raise ValueError(f"ZeroOptimizer: parameter {param_name(model, p)} is managed by another stage-3 "
                                  "ZeroOptimizer; close() that one first")
-            if p.device.type != "cpu":
-                raise NotImplementedError(f"ZeroOptimizer: parameter {param_name(model, p)} is on {p.device}; ds-zero "
-                                          f"{version()} trains CPU models over gloo (its CUDA path is not built yet)")
             if p.dtype not in (torch.float32, self.dtype):
                 raise ValueError(f"ZeroOptimizer: parameter {param_name(model, p)} is {p.dtype}; {self.precision} "
                                  f"training takes float32{'' if self.dtype == torch.float32 else f' or {self.dtype}'} "
                                  "parameters")
+        self.device = model_device(model, params)  # every buffer below is made there
         if not ds_comm.is_initialized():
             raise RuntimeError("ZeroOptimizer: the process group is not initialised; call ds_comm.init_distributed() first")
         self.model, self.group, self._params = model, group, params
@@ -206,7 +208,7 @@ class ZeroOptimizer(Reduction, State, OffloadStates, EngineCalls):
         self.world_size, self.rank = ds_comm.get_world_size(group), ds_comm.get_rank(group)
         self.scaler = LossScaler(fp16_config) if self.precision == "fp16" and not direct else None
         self.skipped_steps = 0
-        check_same_model(model, params, group, self.world_size)
+        check_same_model(model, params, group, self.world_size, self.device)
         broadcast_from_first_rank(model, group)
         managed = {id(p) for p in params}
         for p in model.parameters():  # built under Init: whole again, but stage 3's trainable and frozen ones
@@ -232,13 +234,22 @@ class ZeroOptimizer(Reduction, State, OffloadStates, EngineCalls):
         else:
             self._owned = [self._shard(b) if self.stage > 0 else (b.offset, b.padded) for b in layout.buckets]
         # parameters on NVMe: never touched, so never in RAM (its storage is dropped below)
-        self._flat = (torch.empty if params_on_nvme else torch.zeros)(
-            layout.numel if self.stage < 3 else layout.shard_numel, dtype=self.dtype)
+        self._flat = torch.zeros(layout.numel, dtype=self.dtype, device=self.device) if self.stage < 3 else \
+            partition_buffer(layout.shard_numel, self.dtype, self.device, self.config, stepped_on_host=self.offload,
+                             on_disk=params_on_nvme)
         self._master = None  # a float32 master copy of what this rank steps, when the model is 16-bit
         self._hooks: list[Any] = []  # removed by close()
-        # NVMe: the master copy is on disk; bf16 master weights: the bf16 partition is the master copy
-        if self.dtype != torch.float32 and offload_device != "nvme" and not self._bf16_master:
-            self._master = torch.zeros(layout.numel if self.stage == 0 else layout.shard_numel, dtype=torch.float32)
+        # NVMe: the master copy is on disk; bf16 master weights: the bf16 partition is; ZeRO-Offload: on the host,
+        # float32 for a float32 model too (bf16 master weights: the host mirrors the partition), see _offload
+        self._host: HostOffload | None = None
+        master_numel = layout.numel if self.stage == 0 else layout.shard_numel
+        if self.offload:
+            self._host = HostOffload(self.device, master_numel, host_places(layout, self.stage, self._shard_starts),
+                                     dtype=self.dtype, master_dtype=None if offload_device == "nvme" else
+                                     self.dtype if self._bf16_master else torch.float32, mirror=self._bf16_master)
+            self._master = None if self._bf16_master else self._host.master
+        elif self.dtype != torch.float32 and not self._bf16_master:
+            self._master = torch.zeros(master_numel, dtype=torch.float32, device=self.device)
         if offload_device == "nvme":
             nvme = self.config.offload_optimizer
             self._nvme = NvmeOptimizer(layout.shard_numel, sub_group_size=self.config.sub_group_size,
@@ -286,22 +297,28 @@ class ZeroOptimizer(Reduction, State, OffloadStates, EngineCalls):
         else:
             in_master = [(at, b.shard) for b, at in zip(layout.buckets, self._shard_starts, strict=True)]
         if self.stage < 2:
-            self._grads = torch.zeros(layout.numel, dtype=self.dtype)
+            self._grads = torch.zeros(layout.numel, dtype=self.dtype, device=self.device)
             for p, slot in zip(params, layout.slots, strict=True):
                 p.grad = self._grads[slot.offset:slot.offset + slot.numel].view(p.shape)
             self._shard_grads = [self._grads[start:start + length] for start, length in self._owned]
         else:
-            self._partition = torch.zeros(layout.shard_numel, dtype=self.dtype)
+            self._partition = torch.zeros(layout.shard_numel, dtype=self.dtype, device=self.device)
             self._shard_grads = [self._partition[at:at + b.shard] for b, at in zip(layout.buckets, self._shard_starts,
                                                                                    strict=True)]
+        if self._host is not None:  # where each bucket's reduced gradients land, where its parameters are stepped
+            self._host.bind(list(self._shard_grads), [self._flat[at:at + n] for at, n in self._owned])
         # per bucket above (what its reduction writes), per run below (what the optimizer steps)
         self._step_grads = [self._shard_grads[b][at:at + n] for b, at, n, _ in self._runs]
         in_master = [(in_master[b][0] + at, n) for b, at, n, _ in self._runs]
+        on_host = [(self._host.places[b][0] + at, n) for b, at, n, _ in self._runs] if self._host is not None else []
         self._owned = [(self._owned[b][0] + at, n) for b, at, n, _ in self._runs]
         self._make_reduction_buffers()
         self._pieces = layout.pieces(self.rank)  # for the gradient norm at stages 1-2
         master = self._flat if self._master is None else self._master
-        self._step_params = [nn.Parameter(master[at:at + n], requires_grad=True) for at, n in in_master]
+        stepped = in_master
+        if self._host is not None and self._host.master is not None:  # ZeRO-Offload: the host's copy is stepped
+            master, stepped = self._host.master, on_host
+        self._step_params = [nn.Parameter(master[at:at + n], requires_grad=True) for at, n in stepped]
         if group_options is None:
             self.optimizer = optimizer(self._step_params, **(optimizer_kwargs or {}))
         else:  # every group kept (empty where this rank steps none of it): the same groups on every rank
@@ -328,12 +345,15 @@ class ZeroOptimizer(Reduction, State, OffloadStates, EngineCalls):
         self._copies = None if self._master is None else [self._flat[s:s + n] for s, n in self._owned]
         self._master_grads = None  # float32 gradients for a non-Adam optimizer of a 16-bit model
         if self._master is not None and self._recipe is None:
-            self._master_grads = torch.zeros_like(self._master)
-        for tensor, grad, (at, n) in zip(self._step_params, self._step_grads, in_master, strict=True):
+            self._master_grads = torch.zeros_like(self._master, device=self._master.device)
+        # ZeRO-Offload: the CPU Adam reads the gradients copied to the host, writes the new parameters there
+        self._host_grads, self._host_copies = self._host.views(on_host) if self._host is not None else ([], None)
+        grads = self._host_grads if self._host is not None else self._step_grads
+        for tensor, grad, (at, n) in zip(self._step_params, grads, in_master, strict=True):
             if self._master_grads is not None:
                 tensor.grad = self._master_grads[at:at + n]
-            elif grad.dtype == tensor.dtype:  # (a float32 master's fused step reads 16-bit gradients where they are)
-                tensor.grad = grad
+            elif grad.dtype == tensor.dtype and grad.device == tensor.device:
+                tensor.grad = grad  # (a float32 master's fused step reads 16-bit gradients where they are)
 
         self._index_of = {id(p): i for i, p in enumerate(params)}
         link_parameters(self)  # each parameter finds its optimizer (ds_zero.safe_get_full_fp32_param & co)
@@ -408,6 +428,8 @@ class ZeroOptimizer(Reduction, State, OffloadStates, EngineCalls):
         waited = time.perf_counter()
         self._wait_reductions()
         self._accumulated = False  # the next backward starts the next accumulation
+        if self._host is not None:  # ZeRO-Offload: every gradient shard on the host
+            self._host.finish_downloads()
         self.reduction_wait_s += time.perf_counter() - waited
         scale = self.loss_scale
         norm = self._grad_norm()  # the same value on every rank
@@ -431,7 +453,10 @@ class ZeroOptimizer(Reduction, State, OffloadStates, EngineCalls):
             if self.gradient_clipping > 0:
                 coefficient = min(1.0, self.gradient_clipping / (self._global_grad_norm + 1e-6))
             if self._nvme is not None:
-                self._nvme_step(scale / coefficient)
+                nvme_step(self, scale / coefficient)
+            elif self._host is not None:
+                self._host.adam_step(self.optimizer, self._recipe, self._step_params, self._host_grads,
+                                     self._host_copies, scale / coefficient)
             else:
                 fused_adam_step(self.optimizer, self._recipe, self._step_params, self._step_grads,
                                 self._copies, scale / coefficient)
@@ -454,17 +479,6 @@ class ZeroOptimizer(Reduction, State, OffloadStates, EngineCalls):
         self._refresh_parameters()
         return True
 
-    def _nvme_step(self, grad_scale: float) -> None:
-        """Adam over the partition with its states on NVMe; the step count lives in the optimizer's
-        state as torch keeps it (schedulers and state_dict see it)."""
-        group = self.optimizer.param_groups[0]
-        state = self.optimizer.state[self._step_params[0]]
-        step = int(float(state.get("step", 0))) + 1
-        for tensor in self._step_params:
-            self.optimizer.state[tensor]["step"] = torch.tensor(float(step))
-        params = None if self._nvme.param_dtype is not None else self._flat  # None: on NVMe, stepped there
-        self._nvme.step(params, self._partition, step, self._recipe.hyperparameters(group), grad_scale)
-
     def zero_grad(self) -> None:
         """Zero the accumulated gradients (between boundaries this would drop micro-steps: it is a
         no-op there, as the accumulation needs them)."""
@@ -485,6 +499,8 @@ class ZeroOptimizer(Reduction, State, OffloadStates, EngineCalls):
             return
         self._wait_reductions_quietly()
         self._work, self._buffer_work = [], []
+        if self._host is not None:
+            self._host.forget_downloads()
         for stage3 in (self._stage3, self._frozen.stage3 if self._frozen is not None else None):
             if stage3 is not None:  # every parameter whole again (a collective: every rank closes)
                 stage3.gather_all()
@@ -501,7 +517,7 @@ class ZeroOptimizer(Reduction, State, OffloadStates, EngineCalls):
         self.optimizer.state.clear()
         self._grads = self._partition = self._master = self._master_grads = None
         self._bucket_buffers, self._received, self._step_grads, self._copies = [], [], [], None
-        self._shard_grads = []
+        self._shard_grads, self._host_grads, self._host_copies, self._host = [], [], None, None
         self._closed = True
 
     def get_global_grad_norm(self) -> float | None:
@@ -551,7 +567,8 @@ class ZeroOptimizer(Reduction, State, OffloadStates, EngineCalls):
         on_disk = self._nvme is not None and self._nvme.param_dtype is not None
         for bucket, start in zip(self.layout.buckets, self._shard_starts, strict=True):
             lo, hi = bucket.offset + self.rank * bucket.shard, bucket.offset + (self.rank + 1) * bucket.shard
-            shard = torch.zeros(bucket.shard, dtype=self.dtype) if on_disk else self._flat[start:start + bucket.shard]
+            shard = torch.zeros(bucket.shard, dtype=self.dtype, device="cpu") if on_disk else \
+                self._flat[start:start + bucket.shard]  # (on the host with offload_param)
             for index in bucket.slots:
                 slot, p = self.layout.slots[index], params[index]
                 a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
@@ -567,8 +584,8 @@ class ZeroOptimizer(Reduction, State, OffloadStates, EngineCalls):
                 p.grad = None
             if on_disk:
                 self._nvme.write_params(start, shard)
-            for index in bucket.slots:
-                params[index].data = torch.empty(0, dtype=self.dtype)
+            for index in bucket.slots:  # released: an empty tensor on the model's device
+                params[index].data = torch.empty(0, dtype=self.dtype, device=self.device)
                 forget_init_partition(params[index])
 
     def _shard_modified(self, bucket: int, values: torch.Tensor) -> None:
@@ -578,20 +595,4 @@ class ZeroOptimizer(Reduction, State, OffloadStates, EngineCalls):
             self._master[start:start + values.numel()].copy_(values)
         elif self._nvme is not None and self._nvme.master:
             self._nvme.write_range("master", start, values.float())
-
-    def _refresh_parameters(self) -> None:
-        """After the stepped part changed: every rank's shards into the parameters (stages 1-2), or
-        into the units gathered now (stage 3: the others are gathered when used)."""
-        if self._stage3 is not None:
-            self._stage3.after_step()
-        elif self.stage > 0:
-            self._gather_parameters()
-
-    def _gather_parameters(self) -> None:
-        """Every rank's updated shards into every rank's parameters: one in-place all-gather per
-        bucket (the rank's shard already sits in its place), all in flight at once."""
-        works = [ds_comm.all_gather_bucket(self._flat[b.offset:b.offset + b.padded], group=self.group, async_op=True)
-                 for b in self.layout.buckets]
-        for work in works:
-            work.wait()
 

@@ -90,7 +90,8 @@ def fused_adam_step(optimizer: torch.optim.Optimizer, recipe: AdamRecipe, master
             for key, out in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
                 tensor = state.get(key)
                 if tensor is None or tensor.dtype != dtype:
-                    tensor = torch.zeros_like(masters[i], dtype=dtype) if tensor is None else tensor.to(dtype)
+                    tensor = torch.zeros_like(masters[i], dtype=dtype, device=masters[i].device) if tensor is None \
+                        else tensor.to(dtype)
                     state[key] = tensor
                 out.append(tensor)
             previous = state.get("step")

@@ -29,12 +29,13 @@ class Reduction:
         buckets, comm = self.layout.buckets, self.communication_data_type
         staged = self.stage >= 2 or comm != self.dtype
         count = min(2, len(buckets)) if staged else 0
-        self._bucket_buffers = [torch.zeros(max(b.padded for b in buckets), dtype=comm) for _ in range(count)]
+        self._bucket_buffers = [torch.zeros(max(b.padded for b in buckets), dtype=comm, device=self.device)
+                                for _ in range(count)]
         self._buffer_work: list[Any] = [None] * count
         self._next_buffer = 0
         received = staged and self.stage > 0 and (comm != self.dtype or self.gradient_accumulation_steps > 1)
         shard = max(b.shard for b in buckets) if received else 0
-        self._received = [torch.zeros(shard, dtype=comm) for _ in range(count)] if received else []
+        self._received = [torch.zeros(shard, dtype=comm, device=self.device) for _ in range(count)] if received else []
 
     def _shard(self, bucket) -> tuple[int, int]:
         return self.layout.shard_range(bucket, self.rank)
@@ -100,7 +101,7 @@ class Reduction:
                     work = ds_comm.all_reduce(grads, group=self.group, async_op=True)
                 else:  # stage 1 needs only its shard: reduce-scatter in place (half all-reduce's traffic)
                     work = ds_comm.reduce_scatter_bucket(grads, mine, group=self.group, async_op=True)
-                self._work.append((work, None))
+                self._work.append((work, self._landed(b, None)))
                 return
             which, buffer = self._staging_buffer(bucket.padded)
             torch.mul(grads, scale, out=buffer)
@@ -120,25 +121,40 @@ class Reduction:
                 self._stage3.after_reduction(b)
         if self.stage == 0:
             work = ds_comm.all_reduce(buffer, group=self.group, async_op=True)
-            self._buffer_work[which] = (work, lambda: grads.copy_(buffer))
+            self._buffer_work[which] = (work, self._landed(b, lambda: grads.copy_(buffer)))
             return
         # The first micro-step of an accumulation writes the shard directly when the dtypes agree;
         # otherwise the reduce-scatter lands in a received buffer, then is copied or added.
         first = self.stage == 1 or not self._accumulated
         if first and mine.dtype == buffer.dtype:
             work = ds_comm.reduce_scatter_bucket(buffer, mine, group=self.group, async_op=True)
-            self._buffer_work[which] = (work, None)
+            self._buffer_work[which] = (work, self._landed(b, None))
             return
         received = self._received_buffers()[which][:bucket.shard]
         work = ds_comm.reduce_scatter_bucket(buffer, received, group=self.group, async_op=True)
-        self._buffer_work[which] = (work, (lambda: mine.copy_(received)) if first else (lambda: mine.add_(received)))
+        self._buffer_work[which] = (work, self._landed(b, (lambda: mine.copy_(received)) if first else
+                                                     (lambda: mine.add_(received))))
+
+    def _landed(self, b: int, then: Callable | None) -> Callable | None:
+        """What runs once bucket ``b``'s reduction has landed: ``then``, and under ZeRO-Offload at the
+        accumulation boundary, the copy of this rank's reduced shard to the host (`_offload`)."""
+        if self._host is None or not self.is_gradient_accumulation_boundary:
+            return then
+
+        def landed() -> None:
+            if then is not None:
+                then()
+            self._host.download(b)
+
+        return landed
 
     def _received_buffers(self) -> list[torch.Tensor]:
         """The received buffers, made on first use where `_make_reduction_buffers` saw no need for them (an
         accumulation decided by hand: set_gradient_accumulation_boundary or _steps)."""
         if not self._received:
             shard = max(b.shard for b in self.layout.buckets)
-            self._received = [torch.zeros(shard, dtype=self.communication_data_type) for _ in self._bucket_buffers]
+            self._received = [torch.zeros(shard, dtype=self.communication_data_type, device=self.device)
+                              for _ in self._bucket_buffers]
         return self._received
 
     def _staging_buffer(self, length: int) -> tuple[int, torch.Tensor]:
@@ -200,9 +216,10 @@ class Reduction:
                 norms = torch._foreach_norm(grads)
             else:
                 norms = [torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]
-            norm = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros((), dtype=torch.float32)
+            norm = torch.linalg.vector_norm(torch.stack(norms)) if norms else \
+                torch.zeros((), dtype=torch.float32, device=self.device)
         else:
-            squares = torch.zeros(len(self._params), dtype=torch.float32)
+            squares = torch.zeros(len(self._params), dtype=torch.float32, device=self.device)
             for piece in self._pieces:
                 if not counted[piece.index]:
                     continue
@@ -258,6 +275,22 @@ class Reduction:
                 base += t.numel()
             if group["params"]:
                 self.optimizer.set_segments(index, segments)
+
+    def _refresh_parameters(self) -> None:
+        """After the stepped part changed: every rank's shards into the parameters (stages 1-2), or
+        into the units gathered now (stage 3: the others are gathered when used)."""
+        if self._stage3 is not None:
+            self._stage3.after_step()
+        elif self.stage > 0:
+            self._gather_parameters()
+
+    def _gather_parameters(self) -> None:
+        """Every rank's updated shards into every rank's parameters: one in-place all-gather per
+        bucket (the rank's shard already sits in its place), all in flight at once."""
+        works = [ds_comm.all_gather_bucket(self._flat[b.offset:b.offset + b.padded], group=self.group, async_op=True)
+                 for b in self.layout.buckets]
+        for work in works:
+            work.wait()
 
     def _next_reduction(self) -> None:
         """Whether the next accumulation's gradients are averaged (a 1-bit optimizer decides)."""

@@ -22,6 +22,10 @@ optimizer's flat partition, so the optimizer steps it where it is.
 * **A parameter read in another module's forward** (a tied LM head's ``F.linear(h, embed.weight)``):
   each module's ``_parameters`` is a dict that gathers a partitioned parameter read during a forward
   and makes it an external parameter of the module running (`fetch_external`), as DeepSpeed's.
+* **Devices**: the gather buffers (and the empty tensors of released parameters) are on the model's
+  device, where the all-gathers run; the partition is there too, or on the host with
+  ``offload_param`` (`_stage3_offload`: each gather copies the shard up first, prefetches ahead on a
+  side stream).
 * **Same path on every rank**: every request starts with a tiny all-gather of the unit's id, so ranks
   that call different modules fail at once with the module each rank asked for, instead of issuing
   collectives of different sizes that hang or mix data.
@@ -43,6 +47,7 @@ import ds_comm
 from ._layout import Bucket, FlatLayout
 from ._params import ZeroParamStatus, forget, give_id, install, set_shard, uninstall
 from ._stage3_guard import END_OF_BACKWARD, END_OF_FORWARD, PathGuard, check_group
+from ._stage3_offload import ShardMover, offload_param_device
 from ._units import plan_units, tensors_in  # noqa: F401  (plan_units: imported from here)
 
 logger = logging.getLogger(__name__)
@@ -90,6 +95,8 @@ class Stage3(PathGuard):
         self.model, self.layout, self.group, self.partition = model, layout, group, partition
         self.world_size, self.rank = ds_comm.get_world_size(group), ds_comm.get_rank(group)
         self.shard_starts, self.dtype, self.on_modified = shard_starts, partition.dtype, on_modified
+        # the model's device: where its released parameters' empty tensors are (the partition may be on the host)
+        self.device = next((p.device for p in params if not p.is_meta), partition.device)
         self.units: list[Unit] = []
         for bucket, name in zip(layout.buckets, unit_names, strict=True):
             slots = [layout.slots[i] for i in bucket.slots]
@@ -103,7 +110,7 @@ class Stage3(PathGuard):
             if unit.numel < config.param_persistence_threshold and unit.bucket.padded <= persistent_budget:
                 unit.persistent = True
                 persistent_budget -= unit.bucket.padded
-        self._empty = torch.empty(0, dtype=self.dtype)
+        self._empty = torch.empty(0, dtype=self.dtype, device=self.device)
         self._by_storage: dict[int, Unit] = {}
         self._trace: list[int] | None = None  # the requests of the last forward+backward
         self._recording: list[int] = []
@@ -112,7 +119,11 @@ class Stage3(PathGuard):
         self._in_backward: set[int] = set()  # units requested in this backward
         self._saved_hooks: list[Any] = []
         self.shards: Any = shards  # where this rank's shards are read and written when not in `partition` (NVMe)
+        # offload_param (cpu/nvme): shards on the host, copied up to the device before each gather
+        self.mover = ShardMover(self.device, shards is not None or offload_param_device(config) != "none")
+        self.transfers = self.mover.counts  # host <-> device copies and bytes (tests, benchmarks)
         self._reads: dict[int, Any] = {}  # shard reads started for announced prefetches
+        self._staged: dict[int, tuple[torch.Tensor, Any]] = {}  # prefetched units' buffers with their copy up
         self._pool: dict[int, list[torch.Tensor]] = {}  # released gather buffers by size, for reuse
         self._pending: tuple[Any, list[int]] | None = None  # a check in flight and the prefetches it announces
         self.gathers = 0  # all-gathers issued (for tests and the benchmark)
@@ -158,7 +169,7 @@ class Stage3(PathGuard):
         if self.shards is None:
             set_shard(p, self.partition[start:start + count])
         else:
-            set_shard(p, torch.empty(0, dtype=self.dtype), count)
+            set_shard(p, torch.empty(0, dtype=self.dtype, device="cpu"), count)
             p.ds_tensor.final_location = "nvme"
 
     def fetch_external(self, p: nn.Parameter) -> None:
@@ -282,8 +293,11 @@ class Stage3(PathGuard):
         prefetch = self._to_prefetch() if on_trace else []
         if prefetch:
             self._pending = (self._start_check(code, prefetch), prefetch)
-            for u in prefetch:  # shards on NVMe: their reads run while the check does and the module computes
-                self._reads[u] = self._start_read(self.units[u])
+            for u in prefetch:  # NVMe: reads run while the check does and the module computes; host: copies up
+                if self.mover.host and self.shards is None:
+                    self._stage(self.units[u])
+                else:
+                    self._reads[u] = self._start_read(self.units[u])
         self._point(unit)
 
     def _flush(self) -> None:
@@ -297,15 +311,39 @@ class Stage3(PathGuard):
             if self.units[u].full is None:
                 self._gather(self.units[u])
                 self._ahead.add(u)
-            else:  # gathered meanwhile (a tied weight): its read is not needed
-                self._shard_of(self._reads.pop(u, self.partition[:0]))
+            else:  # gathered meanwhile (a tied weight): its read or staged copy is not needed
+                self._unstage(u)
+                read = self._reads.pop(u, None)
+                if read is not None:
+                    self._done_with(read, self._shard_of(read))
 
     def _start_read(self, unit: Unit) -> Any:
-        """This rank's shard of ``unit``: a view of the partition, or a read from NVMe started now."""
+        """This rank's shard of ``unit``: a view of the partition, or a read from NVMe started now (into a
+        page-locked staging buffer of the mover's)."""
         start, shard = self.shard_starts[unit.index], unit.bucket.shard
         if self.shards is None:
             return self.partition[start:start + shard]
-        return self.shards.start_read_params(start, shard)
+        return self.shards.start_read_params(start, shard, out=self.mover.staging(shard, self.dtype))
+
+    def _done_with(self, read: Any, shard: torch.Tensor) -> None:
+        """A read's staging buffer (NVMe) goes back to the mover once the copies from it are issued."""
+        if not isinstance(read, torch.Tensor):
+            self.mover.done_with(shard)
+
+    def _mine(self, unit: Unit, full: torch.Tensor) -> torch.Tensor:
+        """This rank's place in a gather buffer of ``unit``."""
+        return full[self.rank * unit.bucket.shard:(self.rank + 1) * unit.bucket.shard]
+
+    def _stage(self, unit: Unit) -> None:
+        """A prefetch with the shards on the host: its buffer now, and the copy up issued ahead (side stream)."""
+        full = self._buffer(unit.bucket.padded)
+        self._staged[unit.index] = (full, self.mover.stage(self._start_read(unit), self._mine(unit, full)))
+
+    def _unstage(self, index: int) -> None:
+        staged = self._staged.pop(index, None)
+        if staged is not None:
+            self.mover.wait(staged[1])  # (its copy is ordered before the buffer's next use)
+            self._recycle(staged[0])
 
     @staticmethod
     def _shard_of(read: Any) -> torch.Tensor:
@@ -316,11 +354,21 @@ class Stage3(PathGuard):
         return shard
 
     def _gather(self, unit: Unit) -> None:
-        bucket = unit.bucket
-        read = self._reads.pop(unit.index, None)
-        shard = self._shard_of(read if read is not None else self._start_read(unit))
-        unit.full = self._buffer(bucket.padded)
-        unit.work = ds_comm.all_gather_bucket(unit.full, shard, group=self.group, async_op=True)
+        """Issue ``unit``'s all-gather on the device: this rank's shard into its place first (copied up
+        from the host with offload_param; a staged prefetch's copy is waited for), then in place."""
+        staged = self._staged.pop(unit.index, None)
+        if staged is not None:
+            unit.full, event = staged
+            self.mover.wait(event)
+            source = None
+        else:
+            read = self._reads.pop(unit.index, None)
+            read = read if read is not None else self._start_read(unit)
+            shard = self._shard_of(read)
+            unit.full = self._buffer(unit.bucket.padded)
+            source = self.mover.load(shard, self._mine(unit, unit.full))
+            self._done_with(read, shard)
+        unit.work = ds_comm.all_gather_bucket(unit.full, source, group=self.group, async_op=True)
         self.gathers += 1
         self._status(unit, ZeroParamStatus.INFLIGHT)
         if not unit.persistent:  # views of a persistent unit stay valid: autograd may keep them
@@ -331,7 +379,7 @@ class Stage3(PathGuard):
         one model repeat a few sizes), else a new one. Reuse keeps the allocator from fragmenting the
         heap with buffers of 1-16 MiB freed and allocated every step (RSS, and page faults)."""
         free = self._pool.get(numel)
-        return free.pop() if free else torch.empty(numel, dtype=self.dtype)
+        return free.pop() if free else torch.empty(numel, dtype=self.dtype, device=self.device)
 
     def _recycle(self, full: torch.Tensor) -> None:
         """Keep a released buffer for reuse, only if nothing else holds a view of it (a tensor of the
@@ -457,8 +505,12 @@ class Stage3(PathGuard):
         """The optimizer updated the shards: persistent (and held) units gather them again."""
         gathered = [unit for unit in self.units if unit.full is not None]
         reads = [self._start_read(unit) for unit in gathered]
-        works = [ds_comm.all_gather_bucket(unit.full, self._shard_of(read), group=self.group, async_op=True)
-                 for unit, read in zip(gathered, reads, strict=True)]
+        works = []
+        for unit, read in zip(gathered, reads, strict=True):
+            shard = self._shard_of(read)
+            source = self.mover.load(shard, self._mine(unit, unit.full))
+            self._done_with(read, shard)
+            works.append(ds_comm.all_gather_bucket(unit.full, source, group=self.group, async_op=True))
         for work in works:
             work.wait()
 
@@ -476,12 +528,14 @@ class Stage3(PathGuard):
             source = ds_comm.get_global_rank(self.group, modifier_rank) if self.group is not None else modifier_rank
             ds_comm.broadcast(unit.full, src=source, group=self.group)
             start, shard = self.shard_starts[unit.index], unit.bucket.shard
-            mine = unit.full[self.rank * shard:(self.rank + 1) * shard]
-            if self.shards is None:
-                self.partition[start:start + shard].copy_(mine)
+            mine = self._mine(unit, unit.full)
+            if self.shards is None:  # (down to the host with offload_param)
+                written = self.partition[start:start + shard]
+                self.mover.store(mine, written)
             else:
-                self.shards.write_params(start, mine)
-            self.on_modified(unit.index, mine)
+                written = self.mover.to_host(mine)
+                self.shards.write_params(start, written)
+            self.on_modified(unit.index, written)
         unit.held -= 1
         if not unit.held:
             self.release(unit)
@@ -502,7 +556,10 @@ class Stage3(PathGuard):
             handle.remove()
         self._hooks.clear()
         self._end_forward(check=False)
+        for index in list(self._staged):
+            self._unstage(index)
         self._pool.clear()
+        self.mover.clear()
         for p in (p for unit in self.units for p in unit.params):
             if getattr(p, "_ds_stage3", (None,))[0] is self:
                 del p._ds_stage3

@@ -61,11 +61,12 @@ def check_group(group: Any) -> Any:
     """A process group of ``group``'s ranks for the path checks alone. On the data group a check
     would queue behind the gathers and reductions in flight (gloo runs a group's collectives in
     order), making every request wait for them: 27% of a step on the §9 workload. Made once per
-    set of ranks (creating a group is a collective of every rank)."""
+    set of ranks (creating a group is a collective of every rank). A gloo group: the checks' tensors are
+    tiny host tensors, also where the data group is NCCL (a CUDA model)."""
     import torch.distributed as dist
 
     ranks = tuple(dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size()))
     key = (id(dist.distributed_c10d._get_default_group()), ranks)
     if key not in _check_groups:
-        _check_groups[key] = ds_comm.new_group(list(ranks))
+        _check_groups[key] = ds_comm.new_group(list(ranks), backend="gloo")
     return _check_groups[key]

@@ -111,12 +111,23 @@ def _assemble(zero: ZeroOptimizer, index: int, where: _Where, piece: torch.Tenso
     """The whole parameter-shaped float32 tensor from every rank's ``piece`` (an all-reduce of disjoint parts)."""
     slot = zero.layout.slots[index]
     if zero.stage == 0:
-        return piece.float().clone().view(slot.shape)
-    out = torch.zeros(slot.numel, dtype=torch.float32)
+        return _on_device(zero, piece).view(slot.shape)
+    out = torch.zeros(slot.numel, dtype=torch.float32, device=zero.device)
     if where.numel:
         out[where.param_offset:where.param_offset + where.numel].copy_(piece)
     ds_comm.all_reduce(out, group=zero.group)
     return out.view(slot.shape)
+
+
+def _on_device(zero: ZeroOptimizer, piece: torch.Tensor) -> torch.Tensor:
+    """A float32 copy of ``piece`` on the model's device (pieces ZeRO-Offload keeps on the host come back there)."""
+    return piece.to(device=zero.device, dtype=torch.float32, copy=True)
+
+
+def _gradients_changed(zero: ZeroOptimizer) -> None:
+    """ZeRO-Offload: gradients copied to the host before they were set by hand are copied again at the step."""
+    if zero._host is not None:
+        zero._host.forget_downloads()
 
 
 # ------------------------------------------------------------------------------------------- master weights
@@ -132,7 +143,8 @@ def _read_master(zero: ZeroOptimizer, where: _Where) -> torch.Tensor:
     kind = _master_kind(zero)
     if kind is not None:
         dtype = torch.float32 if kind == "master" else zero._nvme.param_dtype
-        return zero._nvme.read_range(kind, where.in_partition, torch.empty(where.numel, dtype=dtype)).float()
+        return zero._nvme.read_range(kind, where.in_partition,
+                                     torch.empty(where.numel, dtype=dtype, device="cpu")).float()
     master = zero._flat if zero._master is None else zero._master
     return master[where.in_master:where.in_master + where.numel].float()
 
@@ -196,7 +208,8 @@ def safe_get_local_fp32_param(param: torch.Tensor) -> torch.Tensor | None:
     if owner is None:
         return None
     where = _where(*owner)
-    return _read_master(owner[0], where).clone() if where.numel else torch.zeros(0)
+    zero = owner[0]
+    return _on_device(zero, _read_master(zero, where)) if where.numel else torch.zeros(0, device=zero.device)
 
 
 def safe_set_local_fp32_param(param: torch.Tensor, value: torch.Tensor) -> None:
@@ -227,7 +240,8 @@ def _state(zero: ZeroOptimizer, where: _Where, key: Any, what: str) -> torch.Ten
                              f"ZeRO-Infinity's Adam), got {key!r}")
         if not where.numel:
             return None
-        return zero._nvme.read_range(key, where.in_partition, torch.empty(where.numel, dtype=torch.float32))
+        return zero._nvme.read_range(key, where.in_partition,
+                                     torch.empty(where.numel, dtype=torch.float32, device="cpu"))
     sample = next((t for t in zero._step_params if zero.optimizer.state.get(t)), None)
     if sample is None:
         raise RuntimeError(f"{what}: the optimizer has no state yet; it makes its states at its first step")
@@ -281,8 +295,9 @@ def safe_get_local_optimizer_state(param: torch.Tensor, optim_state_key: str) ->
     owner = _local_owner("safe_get_local_optimizer_state", param)
     if owner is None:
         return None
-    piece = _state(owner[0], _where(*owner), optim_state_key, "safe_get_local_optimizer_state")
-    return piece.float().clone() if piece is not None else torch.zeros(0)
+    zero = owner[0]
+    piece = _state(zero, _where(*owner), optim_state_key, "safe_get_local_optimizer_state")
+    return _on_device(zero, piece) if piece is not None else torch.zeros(0, device=zero.device)
 
 
 def safe_set_local_optimizer_state(param: torch.Tensor, value: torch.Tensor, optim_state_key: str) -> None:
@@ -336,6 +351,7 @@ def safe_set_full_grad(param: torch.Tensor, value: torch.Tensor) -> None:
     zero, index = owner
     whole = _value("safe_set_full_grad", value, zero.layout.slots[index].numel, "the parameter")
     grad, is_whole = _gradient(zero, index, "safe_set_full_grad")
+    _gradients_changed(zero)
     if is_whole or zero.stage == 1:  # stages 0-1 hold the whole gradient (this rank's shard reduced in it)
         zero._grads[zero.layout.slots[index].offset:][:whole.numel()].copy_(whole)
         return
@@ -358,6 +374,7 @@ def safe_set_local_grad(param: torch.Tensor, value: torch.Tensor) -> None:
     if owner is None:
         return
     grad, _ = _gradient(*owner, "safe_set_local_grad")
+    _gradients_changed(owner[0])
     grad.copy_(_value("safe_set_local_grad", value, grad.numel(), "this rank's piece of the parameter"))
 
 
