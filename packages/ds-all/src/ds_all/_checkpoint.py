@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 import ds_comm
+import ds_ops
 from ds_zero import SafeReader, is_deepspeed_checkpoint, load_zero_checkpoint, save_zero_checkpoint
 
 from ._deepspeed_checkpoint import LATEST_UNIVERSAL, load_deepspeed
@@ -107,11 +108,21 @@ def _split_client_state(client_state: dict[str, Any]) -> tuple[dict[str, Any], d
     return plain, tensors
 
 
+def _device_rng_key(rank: int) -> str | None:
+    """The entry of this rank's device random state (``rng/<rank>/cuda``), or None on the CPU, whose
+    state is ``rng/<rank>/cpu``."""
+    name = ds_ops.get_accelerator().device_name()
+    return None if name == "cpu" else f"rng/{rank}/{name}"
+
+
 def _rng_states() -> dict[str, torch.Tensor]:
+    """This rank's random states: the CPU generator's, and the accelerator's current device's (a CPU
+    byte tensor, through the seam) when there is one."""
     rank = ds_comm.get_rank()
     states = {f"rng/{rank}/cpu": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        states[f"rng/{rank}/cuda"] = torch.cuda.get_rng_state()
+    key = _device_rng_key(rank)
+    if key is not None:
+        states[key] = ds_ops.get_accelerator().get_rng_state()
     return states
 
 
@@ -267,14 +278,22 @@ def load_checkpoint(engine: DeepSpeedEngine, load_dir: Any, tag: str | None = No
     same_world = meta["world_size"] == engine.world_size
     extra: dict[str, torch.Tensor] = {}
     rng = torch.get_rng_state()
+    saved = SafeReader(str(path)).read_metadata().state_dict_metadata
+    device_key = _device_rng_key(rank)
+    device_rng = ds_ops.get_accelerator().get_rng_state() \
+        if same_world and device_key is not None and device_key in saved else None
     if same_world:  # each rank's own random state; on another world size the ranks' streams differ anyway
         extra[f"rng/{rank}/cpu"] = rng
-    client_tensors = _client_tensors(path, meta["client_tensors"])
+        if device_rng is not None:  # saved on this kind of device (a CPU run's checkpoint has none)
+            extra[device_key] = device_rng
+    client_tensors = _client_tensors(path, meta["client_tensors"], saved)
     extra.update({f"client/{k}": v for k, v in client_tensors.items()})
     optimizer_too = load_optimizer_states and not load_module_only
     load_zero_checkpoint(zero, path, load_optimizer=optimizer_too, extra=extra, strict=load_module_strict)
     if same_world:
         torch.set_rng_state(rng)
+        if device_rng is not None:
+            ds_ops.get_accelerator().set_rng_state(device_rng)
     if not load_module_only:
         engine.global_steps, engine.global_samples = meta["global_steps"], meta["global_samples"]
         engine.micro_steps = meta["micro_steps"]
@@ -286,14 +305,12 @@ def load_checkpoint(engine: DeepSpeedEngine, load_dir: Any, tag: str | None = No
     return str(path), client_state
 
 
-def _client_tensors(path: Path, keys: list[str]) -> dict[str, torch.Tensor]:
-    if not keys:
-        return {}
-    saved = SafeReader(str(path)).read_metadata().state_dict_metadata
+def _client_tensors(path: Path, keys: list[str], saved: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The client's tensors, read into CPU tensors (as they were saved: `_split_client_state`)."""
     out = {}
     for key in keys:
         md = saved.get(f"client/{key}")
         if md is None:
             raise ValueError(f"load_checkpoint: {path} lists client tensor {key!r} but does not hold it")
-        out[key] = torch.empty(md.size, dtype=md.properties.dtype)
+        out[key] = torch.empty(md.size, dtype=md.properties.dtype, device="cpu")
     return out

@@ -8,6 +8,16 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
+import ds_ops
+
+
+def pins_memory(accelerator: Any = None) -> bool:
+    """Whether the engine's loaders pin their batches (``deepspeed_io(pin_memory=True)``): with a GPU
+    accelerator, whose copies from pinned host memory are fast and asynchronous; not on the CPU, where
+    there is nothing to copy to."""
+    accelerator = ds_ops.get_accelerator() if accelerator is None else accelerator
+    return accelerator.device_name() != "cpu"
+
 
 def loader(dataset: Any, *, batch_size: int, num_replicas: int, rank: int, drop_last: bool, pin_memory: bool,
            data_sampler: Any, collate_fn: Callable | None, num_workers: int, shuffle: bool = True) -> DataLoader:
@@ -27,7 +37,7 @@ def loader(dataset: Any, *, batch_size: int, num_replicas: int, rank: int, drop_
         data_sampler = ResumableSampler(DistributedSampler(dataset, num_replicas=num_replicas, rank=rank,
                                                            drop_last=drop_last, shuffle=shuffle))
     return _Loader(dataset, batch_size=batch_size, sampler=data_sampler, collate_fn=collate_fn,
-                      drop_last=drop_last, pin_memory=pin_memory and torch.cuda.is_available(),
+                      drop_last=drop_last, pin_memory=pin_memory and pins_memory(),
                       num_workers=num_workers)
 
 

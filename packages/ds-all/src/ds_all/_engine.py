@@ -26,6 +26,7 @@ from ds_profiler import FlopsProfiler
 from ds_zero import ZeroInference, ZeroOptimizer
 
 from . import _checkpoint, _client, _data, checkpointing
+from ._device import engine_device, place_model
 from ._engine_api import EngineAPI
 from ._optimizers import ONE_BIT, build_optimizer
 from ._progress import ProgressBar
@@ -81,9 +82,12 @@ class DeepSpeedEngine(EngineAPI, nn.Module):
         self.data_parallel_group = mpu.get_data_parallel_group() if mpu is not None else None
         self.dp_world_size = ds_comm.get_world_size(self.data_parallel_group)
         self.mp_world_size = mpu.get_model_parallel_world_size() if mpu is not None else 1
-        self.device = torch.device("cpu")
+        # DeepSpeed's _set_distributed_vars and _configure_distributed_model: cuda:LOCAL_RANK with a GPU (the
+        # current device), the model moved there before ZeRO takes it; the CPU otherwise
+        self.device = engine_device(self.local_rank)
+        place_model(model, self.device)
         self.global_steps = self.global_samples = self.micro_steps = 0
-        self.timers = Timers()
+        self.timers = Timers(device_events=config.wall_clock_breakdown)
         self.zero: ZeroOptimizer | None = None
         self._init_api_attributes(optimizer, lr_scheduler, training_data, collate_fn)
         self._pending_save: Any = None  # an asynchronous save still writing
@@ -436,11 +440,12 @@ class DeepSpeedEngine(EngineAPI, nn.Module):
         if partitioned is not None:
             state = partitioned.full_state_dict()
         else:
-            state = {k: v.detach().clone() for k, v in self.module.state_dict().items()} if self.global_rank == 0 \
-                else {}
+            state = {k: v.detach().to("cpu", copy=True) for k, v in self.module.state_dict().items()} \
+                if self.global_rank == 0 else {}
         if exclude_frozen_parameters:
             frozen = {name for name, p in self.module.named_parameters() if not p.requires_grad}
             state = {k: v for k, v in state.items() if k not in frozen}
+        state = {k: v.cpu() if torch.is_tensor(v) else v for k, v in state.items()}  # the file: CPU tensors
         if self.global_rank == 0:
             os.makedirs(save_dir, exist_ok=True)
             path = os.path.join(save_dir, save_filename)

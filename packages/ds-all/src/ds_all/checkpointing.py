@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 import ds_comm
+import ds_ops
 
 from ._monitor_config import ActivationCheckpointingConfig
 
@@ -182,8 +183,8 @@ def _mp_group() -> tuple[Any, int, int]:
 
 
 def _synchronize() -> None:
-    if _settings.synchronize_checkpoint_boundary and torch.cuda.is_available():
-        torch.cuda.synchronize()
+    if _settings.synchronize_checkpoint_boundary:
+        ds_ops.get_accelerator().synchronize()  # the device's work done (nothing to wait for on the CPU)
 
 
 # ------------------------------------------------------------------------------------- storing

@@ -10,6 +10,10 @@ put ZeRO's reduction and loss scaling there.
 Before the gradients are reduced, every rank agrees that the batch went well (one small all-reduce
 that also carries the loss to every stage); a rank that failed has told its neighbours already, so
 every rank raises and none waits forever.
+
+The stage's tensors live on its device (the module's: `PipelineModule` is built on the stage's device):
+micro-batches read from ``data_iter`` are moved there (DeepSpeed's PipelineEngine does), and every
+buffer the executor allocates is made there, or on the channel's wire device (NCCL: the same).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import torch
 import ds_comm
 
 from . import schedule as S
+from ._device import backend_of, module_device, wire_device
 from ._module import PipelineModule
 from ._p2p import ACTIVATION, GRAD, Channel, PeerFailed
 from ._zero_bubble import DeferredLinearGrads
@@ -36,6 +41,18 @@ _END = (S.ReduceTiedGrads, S.ReduceGrads, S.OptimizerStep)
 
 def _as_tuple(x) -> tuple:
     return x if isinstance(x, tuple) else (x,)
+
+
+def _to_device(x: Any, device: torch.device) -> Any:
+    """``x`` with its tensors (in tuples, lists and dicts too) on ``device``; the same objects where they
+    are there already (always on the CPU)."""
+    if isinstance(x, torch.Tensor):
+        return x.to(device, non_blocking=True)  # asynchronous from a pinned batch
+    if isinstance(x, (tuple, list)):
+        return type(x)(_to_device(item, device) for item in x)
+    if isinstance(x, dict):
+        return {key: _to_device(value, device) for key, value in x.items()}
+    return x
 
 
 class PipelineExecutor:
@@ -79,7 +96,9 @@ class PipelineExecutor:
         # the executor's own group (every rank creates it, in the same order): its messages and its
         # agreement never meet another executor's, even the leftovers of a failed batch
         self.group = ds_comm.new_group(list(range(ds_comm.get_world_size())))
-        self.channel = Channel(ds_comm.get_rank(), self._describe_rank, self.group, module.dynamic_shape)
+        self.device = module_device(module)  # the stage's: its micro-batches and buffers go there
+        self.channel = Channel(ds_comm.get_rank(), self._describe_rank, self.group, module.dynamic_shape,
+                               device=self.device, wire=wire_device(self.device, backend_of(self.group, self.device)))
         self._deferred = DeferredLinearGrads([module]) if schedule == "zero_bubble" else None
         self._broken: str | None = None
         self.global_steps = 0
@@ -208,13 +227,14 @@ class PipelineExecutor:
         """Every rank says whether its stream went well and what loss it saw (the last stages); all
         learn both. Raises on every healthy rank when another failed."""
         world = ds_comm.get_world_size()
-        status = torch.zeros(world + 2, dtype=torch.float64)
+        status = torch.zeros(world + 2, dtype=torch.float64, device=self.channel.wire)
         status[ds_comm.get_rank()] = 1.0 if failed else 0.0
         if self._losses:
-            status[world] = torch.stack([loss.detach().double() for loss in self._losses]).mean()
+            status[world] = torch.stack([loss.detach().double() for loss in self._losses]).mean().to(status.device)
             status[world + 1] = 1.0
         ds_comm.all_reduce(status, group=self.group)
-        bad = [r for r in range(world) if status[r] > 0]
+        host = status.cpu()  # read on the host once
+        bad = [r for r in range(world) if host[r] > 0]
         if failed:
             return None
         if bad:
@@ -222,9 +242,9 @@ class PipelineExecutor:
             raise PeerFailed(f"ds_pipe: the batch failed on {', '.join(self._describe_rank(r) for r in bad)} "
                              "(its error is raised there)")
         self.channel.drain()
-        if status[world + 1] == 0:
+        if host[world + 1] == 0:
             return None
-        return (status[world] / status[world + 1]).float()
+        return (status[world] / status[world + 1]).float()  # on the stage's wire device, as DeepSpeed's loss
 
     def _end_instruction(self, instruction) -> None:
         if isinstance(instruction, S.ReduceTiedGrads):
@@ -249,7 +269,7 @@ class PipelineExecutor:
             if not (isinstance(item, (tuple, list)) and len(item) == 2):
                 raise ValueError("PipelineExecutor: data_iter must yield (inputs, labels) pairs, got "
                                  f"{type(item).__name__}" + (f" of length {len(item)}" if hasattr(item, '__len__') else ""))
-            self._batch[m] = item
+            self._batch[m] = _to_device(tuple(item), self.device)
         if self.is_first_virtual(ins.chunk):
             self._inputs[(m, ins.chunk)] = _as_tuple(self._batch[m][0])
 

@@ -7,6 +7,9 @@ A layer is an ``nn.Module``, a `LayerSpec` (built only on the stage that owns it
 
 With ``virtual_stages=v`` (interleaved schedules) the layers are cut into ``num_stages * v`` parts and
 stage ``s`` owns parts ``s, s + p, s + 2p, ...``: chunk ``c`` of stage ``s`` is part ``c * p + s``.
+
+A stage's layers are moved to the stage's device once built, as DeepSpeed's are: ``cuda:<LOCAL_RANK>``
+with a GPU accelerator (ds-ops' seam), the CPU otherwise (`_device.stage_device`).
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ import torch
 from torch import nn
 
 import ds_comm
+
+from ._device import stage_device
 
 logger = logging.getLogger(__name__)
 
@@ -175,6 +180,7 @@ class PipelineModule(nn.Module):
             logger.info("PipelineModule: %d layers over %d stages x %d chunks, boundaries %s", len(layers), stages,
                         virtual_stages, self.parts)
         self._build()
+        self.to(stage_device())  # DeepSpeed's: the stage's layers on cuda:LOCAL_RANK with a GPU (a no-op on the CPU)
         self._tie_groups = self._make_tie_groups()
         # DeepSpeed's mark for gradient norms: a tied module counts once, on the first stage holding it
         for p in self.parameters():

@@ -10,6 +10,10 @@ an error header to its neighbours, so a rank waiting on it raises instead of han
 
 Sends are non-blocking (``isend``): a stage goes on computing while its neighbour is busy. The tensors
 sent are kept until their sends complete (`Channel.drain`).
+
+Every buffer lives on the channel's ``wire`` device (`_device.wire_device`): the stage's device when the
+backend moves it (NCCL: headers and shapes on the GPU too), the CPU through gloo; tensors received are
+handed over on the stage's ``device``.
 """
 
 from __future__ import annotations
@@ -46,11 +50,11 @@ def meta_of(tensors: tuple[torch.Tensor, ...]) -> list[tuple]:
     return [(t.dtype, tuple(t.shape), t.requires_grad) for t in tensors]
 
 
-def _encode_meta(meta: list[tuple]) -> torch.Tensor:
+def _encode_meta(meta: list[tuple], device: torch.device) -> torch.Tensor:
     values = [len(meta)]
     for dtype, shape, requires_grad in meta:
         values += [_CODE[dtype], int(requires_grad), len(shape), *shape]
-    return torch.tensor(values, dtype=torch.int64)
+    return torch.tensor(values, dtype=torch.int64, device=device)
 
 
 def _decode_meta(values: list[int]) -> list[tuple]:
@@ -65,8 +69,11 @@ def _decode_meta(values: list[int]) -> list[tuple]:
 class Channel:
     """This rank's messages to and from its pipeline neighbours (global ranks)."""
 
-    def __init__(self, rank: int, describe_rank, group=None, dynamic_shape: bool = False):
+    def __init__(self, rank: int, describe_rank, group=None, dynamic_shape: bool = False,
+                 device: torch.device | None = None, wire: torch.device | None = None):
         self.rank, self.group, self.dynamic_shape = rank, group, dynamic_shape  # a group of the executor's own: a failed batch's leftovers stay there
+        self.device = torch.device("cpu") if device is None else torch.device(device)  # the stage's tensors
+        self.wire = self.device if wire is None else torch.device(wire)  # where messages travel (NCCL: the device)
         self._describe_rank = describe_rank  # global rank -> "stage 1 (rank 3)"
         self._sent_meta: dict[tuple, list[tuple]] = {}
         self._recv_meta: dict[tuple, list[tuple]] = {}
@@ -91,11 +98,11 @@ class Channel:
             raise ValueError(f"ds_pipe: the {KIND_NAMES[kind]} of micro-batch {micro_batch} sent to "
                              f"{self._describe_rank(peer)} is {_describe(meta)}, but earlier micro-batches sent "
                              f"{_describe(cached)}; a stage must keep its output's shapes and dtypes across micro-batches")
-        payload = [] if cached is not None and not changed else [_encode_meta(meta)]
+        payload = [] if cached is not None and not changed else [_encode_meta(meta, self.wire)]
         self._sent_meta[key] = meta
         header = torch.tensor([META if payload else OK, kind, micro_batch, boundary,
-                               payload[0].numel() if payload else 0], dtype=torch.int64)
-        for t in [header, *payload, *(t.detach().contiguous() for t in tensors)]:
+                               payload[0].numel() if payload else 0], dtype=torch.int64, device=self.wire)
+        for t in [header, *payload, *(t.detach().to(self.wire).contiguous() for t in tensors)]:
             self._pending.append((ds_comm.isend(t, peer, group=self.group, tag=TAG), t))
         self._pending = [(w, t) for w, t in self._pending if not w.is_completed()]
 
@@ -106,11 +113,11 @@ class Channel:
             if got != want:
                 raise RuntimeError(f"ds_pipe: expected {want} from this rank itself, found {got}")
             return tensors
-        header = torch.empty(HEADER, dtype=torch.int64)
+        header = torch.empty(HEADER, dtype=torch.int64, device=self.wire)
         ds_comm.recv(header, peer, group=self.group, tag=TAG)
         status, *got, length = header.tolist()
         if status == ERROR:
-            text = torch.empty(length, dtype=torch.uint8)
+            text = torch.empty(length, dtype=torch.uint8, device=self.wire)
             ds_comm.recv(text, peer, group=self.group, tag=TAG)
             raise PeerFailed(bytes(text.tolist()).decode(errors="replace"), source=peer)
         if tuple(got) != want:
@@ -119,13 +126,14 @@ class Channel:
                                f"micro-batch {got[1]} at virtual stage {got[2]}: the two ranks run different schedules")
         key = (peer, kind, boundary)
         if status == META:
-            values = torch.empty(length, dtype=torch.int64)
+            values = torch.empty(length, dtype=torch.int64, device=self.wire)
             ds_comm.recv(values, peer, group=self.group, tag=TAG)
             self._recv_meta[key] = _decode_meta(values.tolist())
         tensors = []
         for dtype, shape, requires_grad in self._recv_meta[key]:
-            t = torch.empty(shape, dtype=dtype)
+            t = torch.empty(shape, dtype=dtype, device=self.wire)
             ds_comm.recv(t, peer, group=self.group, tag=TAG)
+            t = t.to(self.device)  # the same tensor where the wire is the stage's device
             tensors.append(t.requires_grad_() if requires_grad else t)
         return tuple(tensors)
 
@@ -135,8 +143,8 @@ class Channel:
 
     def send_error(self, peers, message: str) -> None:
         """Tell ``peers`` that this rank failed (each raises `PeerFailed` at its next receive from here)."""
-        data = torch.tensor(list(message.encode()[:4000]), dtype=torch.uint8)
-        header = torch.tensor([ERROR, 0, 0, 0, data.numel()], dtype=torch.int64)
+        data = torch.tensor(list(message.encode()[:4000]), dtype=torch.uint8, device=self.wire)
+        header = torch.tensor([ERROR, 0, 0, 0, data.numel()], dtype=torch.int64, device=self.wire)
         for peer in sorted(set(peers) - {self.rank}):
             for t in (header, data):
                 self._pending.append((ds_comm.isend(t, peer, group=self.group, tag=TAG), t))
