@@ -31,6 +31,7 @@ import ds_comm
 import ds_ops
 from ds_zero import SafeReader, is_deepspeed_checkpoint, load_zero_checkpoint, save_zero_checkpoint
 
+from . import _data_efficiency
 from ._deepspeed_checkpoint import LATEST_UNIVERSAL, load_deepspeed
 
 if TYPE_CHECKING:
@@ -152,6 +153,7 @@ def save_checkpoint(engine: DeepSpeedEngine, save_dir: Any, tag: str | None = No
                 "global_steps": engine.global_steps, "global_samples": engine.global_samples,
                 "micro_steps": engine.micro_steps, "zero_stage": engine.zero_optimization_stage(),
                 "lr_scheduler": _scheduler_state(engine), "data_loader": engine._loader_state(),
+                "data_efficiency": _data_efficiency.state(engine),
                 "client_state": plain, "client_tensors": sorted(tensors)}
     if written is not None:
         engine._pending_save = _PendingSave(written, lambda: _complete(root, tag, meta, save_latest)
@@ -297,6 +299,7 @@ def load_checkpoint(engine: DeepSpeedEngine, load_dir: Any, tag: str | None = No
     if not load_module_only:
         engine.global_steps, engine.global_samples = meta["global_steps"], meta["global_samples"]
         engine.micro_steps = meta["micro_steps"]
+        _data_efficiency.restore(engine, meta.get("data_efficiency"))
         if same_world:  # a position in another world size's split of the data means nothing here
             engine._restore_loader(meta.get("data_loader"))
         if load_lr_scheduler_states and engine.lr_scheduler is not None and meta["lr_scheduler"] is not None:

@@ -25,7 +25,7 @@ import ds_comm
 from ds_profiler import FlopsProfiler
 from ds_zero import ZeroInference, ZeroOptimizer
 
-from . import _checkpoint, _client, _data, checkpointing
+from . import _checkpoint, _client, _data, _data_efficiency, checkpointing
 from ._device import engine_device, place_model
 from ._engine_api import EngineAPI
 from ._optimizers import ONE_BIT, build_optimizer
@@ -87,6 +87,7 @@ class DeepSpeedEngine(EngineAPI, nn.Module):
         self.device = engine_device(self.local_rank)
         place_model(model, self.device)
         self.global_steps = self.global_samples = self.micro_steps = 0
+        _data_efficiency.configure(self)  # progressive_layer_drop, curriculum_scheduler_legacy (or None)
         self.timers = Timers(device_events=config.wall_clock_breakdown)
         self.zero: ZeroOptimizer | None = None
         self._init_api_attributes(optimizer, lr_scheduler, training_data, collate_fn)
@@ -235,7 +236,9 @@ class DeepSpeedEngine(EngineAPI, nn.Module):
     # ----------------------------------------------------------------------------- the loop
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """The model's forward, timed; at ``flops_profiler.profile_step`` its first forward starts
-        the profile (rank 0)."""
+        the profile (rank 0). In training, ``progressive_layer_drop`` adds ``progressive_layer_drop=True,
+        pld_theta=θ`` and ``curriculum_learning`` ``curriculum_seqlen=<difficulty>`` to the keyword arguments."""
+        kwargs = _data_efficiency.forward_kwargs(self, kwargs)
         if self._should_profile():
             self.flops_profiler = FlopsProfiler(self.module, ds_engine=self,
                                                 recompute_fwd_factor=self.config.flops_profiler.recompute_fwd_factor)
@@ -288,6 +291,7 @@ class DeepSpeedEngine(EngineAPI, nn.Module):
         self._step_applied = applied
         if applied and self.lr_scheduler is not None:
             self.lr_scheduler.step()
+        _data_efficiency.at_boundary(self)  # PLD's theta, from the steps before this one (DeepSpeed's order)
         self.global_steps += 1
         self._interval_steps += 1
         self._after_boundary()

@@ -303,6 +303,35 @@ class EngineGetters:
     def flops_profiler_output_file(self) -> str | None:
         return self.config.flops_profiler.output_file
 
+    # ds-data's sections: the legacy curriculum and progressive layer dropping (DeepSpeed's getters)
+    def curriculum_enabled_legacy(self) -> bool:
+        return self.config.curriculum_learning.enabled
+
+    def curriculum_params_legacy(self) -> dict[str, Any] | bool:
+        """The section without ``enabled``; False when the config has no ``curriculum_learning`` (DeepSpeed's)."""
+        if "curriculum_learning" not in self.config.model_fields_set:
+            return False
+        return self.config.curriculum_learning.params()
+
+    def pld_enabled(self) -> bool:
+        return self.config.progressive_layer_drop.enabled
+
+    def pld_params(self) -> dict[str, float] | bool:
+        """``{"theta", "gamma"}``; False when the config has no ``progressive_layer_drop`` (DeepSpeed's)."""
+        if "progressive_layer_drop" not in self.config.model_fields_set:
+            return False
+        return self.config.progressive_layer_drop.params()
+
+    def pld_theta(self) -> float:
+        return self.config.progressive_layer_drop.theta
+
+    def pld_gamma(self) -> float:
+        return self.config.progressive_layer_drop.gamma
+
+    def get_pld_theta(self) -> float | None:
+        """The keep ratio the next forward gets; None without progressive layer dropping."""
+        return self.progressive_layer_drop.get_theta() if self.progressive_layer_drop is not None else None
+
     # --------------------------------------------------- features ds has not built: off, or raise
     def data_efficiency_enabled(self) -> bool:
         return False

@@ -17,6 +17,7 @@ import torch
 
 from ds_pipe import PipelineExecutor, PipelineModule
 
+from . import _data_efficiency
 from ._engine import DeepSpeedEngine
 from ._optimizers import ONE_BIT
 from ._timers import ALLREDUCE, BACKWARD, STEP
@@ -65,6 +66,10 @@ class PipelineEngine(DeepSpeedEngine):
         if config.torch_autocast.enabled:
             raise NotImplementedError("torch_autocast with a PipelineModule is not implemented in ds-all: the "
                                       "schedule runs the forward; use bf16 or fp16 (the bf16/fp16 sections)")
+        if config.progressive_layer_drop.enabled:
+            raise NotImplementedError("progressive_layer_drop with a PipelineModule is not implemented in ds-all: the "
+                                      "schedule runs the stages' forwards, so the engine cannot pass pld_theta (nor "
+                                      "does DeepSpeed's PipelineEngine); drop layers in the stages' own code")
         self._checkpoint_names = model.checkpoint_names()
         super().__init__(model=model, config=config, **kwargs)
         if self.zero is None:
@@ -132,6 +137,7 @@ class PipelineEngine(DeepSpeedEngine):
         ``(inputs, labels)`` from ``data_iter`` (default: the ``training_data`` given to initialize),
         the optimizer step, the schedule, monitors and progress. Returns the mean loss on every stage."""
         data_iter = self._data(data_iter, "train_batch")
+        _data_efficiency.before_pipeline_batch(self)
         loss = self.executor.train_batch(data_iter)
         self.micro_steps += self.micro_batches
         self.global_samples += self.train_batch_size()

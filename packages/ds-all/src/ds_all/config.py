@@ -24,6 +24,7 @@ from pydantic import Field, field_validator, model_validator
 
 from ds_comm import CommsLoggerConfig
 from ds_compress import CompressionConfig
+from ds_data import CurriculumLearningConfig, ProgressiveLayerDropConfig
 from ds_io import AioConfig
 from ds_ops import SparseAttentionConfig
 from ds_pipe import PipelineConfig
@@ -46,8 +47,7 @@ Auto = Literal["auto"]
 Batch = Annotated[int, Field(gt=0)] | Auto | None
 
 # DeepSpeed features ds-all does not implement: accepted while off, refused by name when on.
-NOT_IMPLEMENTED = ("amp", "autotuning", "elasticity", "eigenvalue", "progressive_layer_drop", "curriculum_learning",
-                   "data_efficiency", "hybrid_engine", "nebula", "comet", "quantize_training", "weight_quantization",
+NOT_IMPLEMENTED = ("amp", "autotuning", "elasticity", "eigenvalue", "data_efficiency", "hybrid_engine", "nebula", "comet", "quantize_training", "weight_quantization",
                    "graph_harvesting", "memory_breakdown", "sparse_gradients", "load_universal_checkpoint",
                    "use_node_local_storage", "zero_quantized_weights", "zero_quantized_gradients",
                    "seq_parallel_communication_data_type", "timers", "disable_allgather", "expert_parallel",
@@ -98,6 +98,12 @@ class Config(Section):
     compression_training: CompressionConfig = Field(default_factory=CompressionConfig, description="ds-compress's.")
     sparse_attention: SparseAttentionConfig | None = Field(None, description="ds-ops' section.")
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig, description="Pipeline keys (ds_pipe).")
+    curriculum_learning: CurriculumLearningConfig = Field(
+        default_factory=CurriculumLearningConfig, description="ds-data's sequence-length curriculum (the engine "
+        "passes curriculum_seqlen to forward).")
+    progressive_layer_drop: ProgressiveLayerDropConfig = Field(
+        default_factory=ProgressiveLayerDropConfig, description="ds-data's progressive layer dropping (the engine "
+        "passes pld_theta to forward).")
     tensorboard: TensorBoardConfig = Field(default_factory=TensorBoardConfig, description="TensorBoard monitor.")
     csv_monitor: CSVMonitorConfig = Field(default_factory=CSVMonitorConfig, description="CSV monitor.")
     wandb: WandbConfig = Field(default_factory=WandbConfig, description="Weights & Biases monitor.")
