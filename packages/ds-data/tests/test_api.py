@@ -4,7 +4,9 @@ import ds_data
 
 
 def test_public_api_is_small():
-    assert sorted(ds_data.__all__) == ["CurriculumLearningConfig", "CurriculumScheduler", "ProgressiveLayerDrop",
-                                       "ProgressiveLayerDropBlock", "ProgressiveLayerDropConfig", "ScheduleConfig",
-                                       "__version__"]
+    assert sorted(ds_data.__all__) == [
+        "CurriculumLearningConfig", "CurriculumScheduler", "DataAnalyzer", "DataEfficiencyConfig", "DataSampler",
+        "MMapIndexedDataset", "MMapIndexedDatasetBuilder", "ProgressiveLayerDrop", "ProgressiveLayerDropBlock",
+        "ProgressiveLayerDropConfig", "RandomLTDConfig", "RandomLTDScheduler", "RandomLayerTokenDrop",
+        "ScheduleConfig", "__version__", "convert_to_random_ltd"]
     assert all(hasattr(ds_data, name) for name in ds_data.__all__)

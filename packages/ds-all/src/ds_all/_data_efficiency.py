@@ -6,6 +6,8 @@ sequence-length curriculum) and ``progressive_layer_drop``, as DeepSpeed's engin
   a `PipelineEngine` updates the difficulty at each ``train_batch`` and passes nothing, as DeepSpeed's;
 * at each accumulation boundary, before ``global_steps`` counts the step: ``update_state(global_steps)``;
 * checkpoints: both objects' state in the engine's metadata, restored by ``load_checkpoint``.
+
+``data_efficiency`` (random-LTD, and the refusal of what is not wired) is `_random_ltd`'s, called from here.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ds_data import CurriculumScheduler, ProgressiveLayerDrop
+
+from . import _random_ltd
 
 if TYPE_CHECKING:
     from ._engine import DeepSpeedEngine
@@ -26,12 +30,14 @@ def configure(engine: DeepSpeedEngine) -> None:
     engine.progressive_layer_drop = ProgressiveLayerDrop(theta=pld.theta, gamma=pld.gamma) if pld.enabled else None
     curriculum = config.curriculum_learning
     engine.curriculum_scheduler_legacy = CurriculumScheduler(curriculum) if curriculum.enabled else None
+    _random_ltd.configure(engine)
 
 
 def forward_kwargs(engine: DeepSpeedEngine, kwargs: dict[str, Any]) -> dict[str, Any]:
     """The keyword arguments of the model's forward with what the enabled sections add (training only)."""
     if not engine.module.training:
         return kwargs
+    _random_ltd.before_forward(engine)
     if engine.progressive_layer_drop is not None:
         kwargs.update(engine.progressive_layer_drop.get_state())
     scheduler = engine.curriculum_scheduler_legacy
@@ -58,7 +64,8 @@ def state(engine: DeepSpeedEngine) -> dict[str, Any]:
     """What a checkpoint's metadata keeps (JSON values)."""
     pld, scheduler = engine.progressive_layer_drop, engine.curriculum_scheduler_legacy
     return {"curriculum_learning": scheduler.state_dict() if scheduler is not None else None,
-            "progressive_layer_drop": pld.state_dict() if pld is not None else None}
+            "progressive_layer_drop": pld.state_dict() if pld is not None else None,
+            "random_ltd": _random_ltd.state(engine)}
 
 
 def restore(engine: DeepSpeedEngine, saved: dict[str, Any] | None) -> None:
@@ -69,3 +76,4 @@ def restore(engine: DeepSpeedEngine, saved: dict[str, Any] | None) -> None:
         engine.curriculum_scheduler_legacy.load_state_dict(saved["curriculum_learning"])
     if engine.progressive_layer_drop is not None and saved.get("progressive_layer_drop") is not None:
         engine.progressive_layer_drop.load_state_dict(saved["progressive_layer_drop"])
+    _random_ltd.restore(engine, saved.get("random_ltd"))

@@ -1,6 +1,6 @@
 """DeepSpeed's ``DeepSpeedEngine`` configuration getters (``fp16_enabled()``, ``zero_optimization_stage()``,
 ``train_micro_batch_size_per_gpu()``, ...), read from the `Config` and the parts the engine holds, and the
-calls of features ds-all has not built (MoE, data efficiency, autotuning, DeepCompile, AutoTP, sparse
+calls of features ds-all has not built (MoE, data efficiency's data sampling, autotuning, DeepCompile, AutoTP, sparse
 gradients): getters that say whether such a feature is on answer False (the config refuses it on), calls
 that would use it raise `NotImplementedError` naming it. A mixin of `EngineAPI` (``_engine_api.py``).
 """
@@ -334,31 +334,35 @@ class EngineGetters:
 
     # --------------------------------------------------- features ds has not built: off, or raise
     def data_efficiency_enabled(self) -> bool:
-        return False
+        return self.config.data_efficiency.enabled
 
     def data_sampling_enabled(self) -> bool:
-        return False
+        return self.config.data_efficiency.data_sampling.enabled
 
     def curriculum_learning_enabled(self) -> bool:
-        return False
+        return self.config.data_efficiency.data_sampling.curriculum_learning.enabled
 
     def random_ltd_enabled(self) -> bool:
-        return False
+        return self.config.data_efficiency.data_routing.random_ltd.enabled
 
-    def data_efficiency_config(self) -> Any:
-        raise not_built("data_efficiency_config", "data efficiency (data_efficiency)")
+    def data_efficiency_config(self) -> dict[str, Any]:
+        """The ``data_efficiency`` section as a dict, every key with its value or default (as DeepSpeed's)."""
+        return self.config.data_efficiency.model_dump()
 
-    def data_sampling_config(self) -> Any:
-        raise not_built("data_sampling_config", "data efficiency's data sampling")
+    def data_sampling_config(self) -> dict[str, Any]:
+        return self.config.data_efficiency.data_sampling.model_dump()
 
-    def curriculum_learning_config(self) -> Any:
-        raise not_built("curriculum_learning_config", "curriculum learning")
+    def curriculum_learning_config(self) -> dict[str, Any]:
+        return self.config.data_efficiency.data_sampling.curriculum_learning.model_dump()
 
-    def random_ltd_config(self) -> Any:
-        raise not_built("random_ltd_config", "random layer-token drop (random-LTD)")
+    def random_ltd_config(self) -> dict[str, Any]:
+        return self.config.data_efficiency.data_routing.random_ltd.model_dump()
 
     def random_ltd_initialize(self) -> None:
-        raise not_built("random_ltd_initialize", "random layer-token drop (random-LTD)")
+        """Configure the model's random-LTD wrappers (`ds_data.convert_to_random_ltd` on the engine calls it)."""
+        from . import _random_ltd
+
+        _random_ltd.initialize_layers(self)
 
     def set_data_post_process_func(self, post_process_func: Any) -> None:
         raise not_built("set_data_post_process_func", "data efficiency's data loader (its post-process hook)")

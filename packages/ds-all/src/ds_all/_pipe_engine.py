@@ -70,6 +70,10 @@ class PipelineEngine(DeepSpeedEngine):
             raise NotImplementedError("progressive_layer_drop with a PipelineModule is not implemented in ds-all: the "
                                       "schedule runs the stages' forwards, so the engine cannot pass pld_theta (nor "
                                       "does DeepSpeed's PipelineEngine); drop layers in the stages' own code")
+        if config.data_efficiency.data_routing.random_ltd.enabled:
+            raise NotImplementedError("data_efficiency.data_routing.random_ltd with a PipelineModule is not "
+                                      "implemented in ds-all: the schedule runs the stages' forwards, which the "
+                                      "engine's random-LTD schedule does not reach")
         self._checkpoint_names = model.checkpoint_names()
         super().__init__(model=model, config=config, **kwargs)
         if self.zero is None:

@@ -24,7 +24,7 @@ from pydantic import Field, field_validator, model_validator
 
 from ds_comm import CommsLoggerConfig
 from ds_compress import CompressionConfig
-from ds_data import CurriculumLearningConfig, ProgressiveLayerDropConfig
+from ds_data import CurriculumLearningConfig, DataEfficiencyConfig, ProgressiveLayerDropConfig
 from ds_io import AioConfig
 from ds_ops import SparseAttentionConfig
 from ds_pipe import PipelineConfig
@@ -47,7 +47,7 @@ Auto = Literal["auto"]
 Batch = Annotated[int, Field(gt=0)] | Auto | None
 
 # DeepSpeed features ds-all does not implement: accepted while off, refused by name when on.
-NOT_IMPLEMENTED = ("amp", "autotuning", "elasticity", "eigenvalue", "data_efficiency", "hybrid_engine", "nebula", "comet", "quantize_training", "weight_quantization",
+NOT_IMPLEMENTED = ("amp", "autotuning", "elasticity", "eigenvalue", "hybrid_engine", "nebula", "comet", "quantize_training", "weight_quantization",
                    "graph_harvesting", "memory_breakdown", "sparse_gradients", "load_universal_checkpoint",
                    "use_node_local_storage", "zero_quantized_weights", "zero_quantized_gradients",
                    "seq_parallel_communication_data_type", "timers", "disable_allgather", "expert_parallel",
@@ -104,6 +104,9 @@ class Config(Section):
     progressive_layer_drop: ProgressiveLayerDropConfig = Field(
         default_factory=ProgressiveLayerDropConfig, description="ds-data's progressive layer dropping (the engine "
         "passes pld_theta to forward).")
+    data_efficiency: DataEfficiencyConfig = Field(
+        default_factory=DataEfficiencyConfig, description="ds-data's data efficiency library (random-LTD; data "
+        "sampling is refused when on).")
     tensorboard: TensorBoardConfig = Field(default_factory=TensorBoardConfig, description="TensorBoard monitor.")
     csv_monitor: CSVMonitorConfig = Field(default_factory=CSVMonitorConfig, description="CSV monitor.")
     wandb: WandbConfig = Field(default_factory=WandbConfig, description="Weights & Biases monitor.")
