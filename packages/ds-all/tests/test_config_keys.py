@@ -58,6 +58,10 @@ NO_OP = [
     "zero_optimization.pipeline_loading_checkpoint", "zero_optimization.override_module_apply",
     "zero_optimization.log_trace_cache_warnings", "bf16.immediate_grad_update",
     "pipeline.pipe_partitioned", "pipeline.grad_partitioned", "pipeline.use_reentrant",
+    # DeepSpeed's engine reads neither (its sampler runs on curriculum_learning.enabled; pin_memory is its dynamic
+    # batching's); ds keeps its clusters in memory
+    "data_efficiency.data_sampling.enabled", "data_efficiency.data_sampling.pin_memory",
+    "data_efficiency.data_sampling.curriculum_learning.data_cluster_path",
     "checkpoint.load_universal", "checkpoint.parallel_write.pipeline_stage",
     "data_types.grad_accum_dtype", "data_types.buffer_dtype", "data_types.keep_in_fp32_modules",
     "torch_autocast.lower_precision_safe_modules",
@@ -78,12 +82,10 @@ REFUSED = {
     "zero_optimization.offload_optimizer.super_offload": (True, "ds-zero"),
     "zero_optimization.offload_optimizer.ratio": (0.5, "ds-zero"),
     "fp16.fp16_master_weights_and_grads": (True, "ds-zero"),
-    "data_efficiency.data_sampling.enabled": (True, "ds-all's engine"),
-    "data_efficiency.data_sampling.dynamic_batching.enabled": (True, "ds-all's engine"),
     "data_efficiency.data_routing.random_ltd.layer_token_lr_schedule.enabled": (True, "ds-data"),
 }
 # Sections whose keys are read only once the feature they belong to is built (refused on until then, above).
-INSIDE_REFUSED = ("data_efficiency.data_sampling.", "data_efficiency.data_routing.random_ltd.layer_token_lr_schedule.")
+INSIDE_REFUSED = ("data_efficiency.data_routing.random_ltd.layer_token_lr_schedule.",)
 # Keys read inside their section model's own methods (which the source scan below skips with config.py files).
 READ_BY_THEIR_MODEL = {"flops_profiler.detailed": "FlopsProfilerConfig.print_options()"}
 

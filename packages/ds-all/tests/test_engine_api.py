@@ -178,13 +178,14 @@ def getters_and_batch_sizes(rank, world_size, directory):
         engine.communication_data_type = torch.bfloat16
     engine.communication_data_type = torch.float32  # the same: nothing to change
     errors = {}
-    for call, args in (("compile", ()), ("load_moe_state_dict", ()),
-                       ("set_custom_curriculum_learning_schedule", ({},)), ("tensor_parallel_config", ()),
+    for call, args in (("compile", ()), ("load_moe_state_dict", ()), ("tensor_parallel_config", ()),
                        ("get_sequence_parallel_group", ()), ("autotuning_metric", ()), ("sparse_allreduce", ())):
         with pytest.raises(NotImplementedError) as info:
             getattr(engine, call)(*args)
         errors[call] = str(info.value)
     out["errors"] = errors
+    with pytest.raises(RuntimeError, match="curriculum_learning is off"):  # no data sampler to schedule
+        engine.set_custom_curriculum_learning_schedule({})
     for bad in ("", None):
         with pytest.raises(ValueError, match="save_dir must be a directory"):
             engine.save_checkpoint(bad)
@@ -211,7 +212,6 @@ def test_getters_batch_sizes_and_refusals(tmp_path):
         for call, message in out["errors"].items():
             assert f"engine.{call}:" in message and "has not built" in message, message
         assert "Mixture of Experts" in out["errors"]["load_moe_state_dict"]
-        assert "curriculum" in out["errors"]["set_custom_curriculum_learning_schedule"]
         assert out["cwd"] == []  # nothing was written into the working directory
 
 

@@ -7,7 +7,8 @@ sequence-length curriculum) and ``progressive_layer_drop``, as DeepSpeed's engin
 * at each accumulation boundary, before ``global_steps`` counts the step: ``update_state(global_steps)``;
 * checkpoints: both objects' state in the engine's metadata, restored by ``load_checkpoint``.
 
-``data_efficiency`` (random-LTD, and the refusal of what is not wired) is `_random_ltd`'s, called from here.
+``data_efficiency``: random-LTD (and the refusal of what is not wired) is `_random_ltd`'s, the data sampler
+`_data_sampling`'s; their states are saved and restored from here.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from ds_data import CurriculumScheduler, ProgressiveLayerDrop
 
-from . import _random_ltd
+from . import _data_sampling, _random_ltd
 
 if TYPE_CHECKING:
     from ._engine import DeepSpeedEngine
@@ -65,7 +66,7 @@ def state(engine: DeepSpeedEngine) -> dict[str, Any]:
     pld, scheduler = engine.progressive_layer_drop, engine.curriculum_scheduler_legacy
     return {"curriculum_learning": scheduler.state_dict() if scheduler is not None else None,
             "progressive_layer_drop": pld.state_dict() if pld is not None else None,
-            "random_ltd": _random_ltd.state(engine)}
+            "random_ltd": _random_ltd.state(engine), "data_sampler": _data_sampling.state(engine)}
 
 
 def restore(engine: DeepSpeedEngine, saved: dict[str, Any] | None) -> None:
@@ -77,3 +78,4 @@ def restore(engine: DeepSpeedEngine, saved: dict[str, Any] | None) -> None:
     if engine.progressive_layer_drop is not None and saved.get("progressive_layer_drop") is not None:
         engine.progressive_layer_drop.load_state_dict(saved["progressive_layer_drop"])
     _random_ltd.restore(engine, saved.get("random_ltd"))
+    _data_sampling.restore(engine, saved.get("data_sampler"))

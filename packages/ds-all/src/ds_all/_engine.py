@@ -25,7 +25,7 @@ import ds_comm
 from ds_profiler import FlopsProfiler
 from ds_zero import ZeroInference, ZeroOptimizer
 
-from . import _checkpoint, _client, _data, _data_efficiency, checkpointing
+from . import _checkpoint, _client, _data, _data_efficiency, _data_sampling, checkpointing
 from ._device import engine_device, place_model
 from ._engine_api import EngineAPI
 from ._optimizers import ONE_BIT, build_optimizer
@@ -79,8 +79,11 @@ class DeepSpeedEngine(EngineAPI, nn.Module):
                 f"checkpoint.use_node_local_storage on {self.world_size // max(local_world, 1)} nodes is not "
                 "implemented in ds-all: a checkpoint's shards and its metadata are written to one shared directory "
                 "(on one node, where every rank shares the storage, the key is honoured as it is)")
-        self.data_parallel_group = mpu.get_data_parallel_group() if mpu is not None else None
-        self.dp_world_size = ds_comm.get_world_size(self.data_parallel_group)
+        self._dp_group = mpu.get_data_parallel_group() if mpu is not None else None  # None: every rank
+        # DeepSpeed's attribute is a process group a script asks .rank()/.size() of (the variable-batch example):
+        # without an mpu, the world's, as DeepSpeed's groups._get_data_parallel_group() answers
+        self.data_parallel_group = self._dp_group if self._dp_group is not None else torch.distributed.group.WORLD
+        self.dp_world_size = ds_comm.get_world_size(self._dp_group)
         self.mp_world_size = mpu.get_model_parallel_world_size() if mpu is not None else 1
         # DeepSpeed's _set_distributed_vars and _configure_distributed_model: cuda:LOCAL_RANK with a GPU (the
         # current device), the model moved there before ZeRO takes it; the CPU otherwise
@@ -105,14 +108,14 @@ class DeepSpeedEngine(EngineAPI, nn.Module):
             self.zero = self.optimizer = ZeroOptimizer(
                 model, factory, config=config.zero_optimization, fp16=config.fp16, bf16=config.bf16,
                 gradient_clipping=config.gradient_clipping,
-                communication_data_type=config.communication_data_type, group=self.data_parallel_group,
+                communication_data_type=config.communication_data_type, group=self._dp_group,
                 aio=config.aio, param_groups=groups, **self._zero_options())
         # stage 3 without an optimizer (evaluation): the parameters partitioned, gathered around each module's
         # forward (DeepSpeed's DeepSpeedZeRoOffload); backward and step refuse (no optimizer)
         self._zero_inference: ZeroInference | None = None
         if factory is None and config.zero_optimization.stage == 3:
             self._zero_inference = ZeroInference(model, config=config.zero_optimization, fp16=config.fp16,
-                                                 bf16=config.bf16, group=self.data_parallel_group)
+                                                 bf16=config.bf16, group=self._dp_group)
         try:  # what fails from here leaves no ZeRO hook on the caller's model
             self.lr_scheduler = self._scheduler(lr_scheduler)
             self.training_dataloader = self._training_loader(training_data, collate_fn) \
@@ -218,10 +221,15 @@ class DeepSpeedEngine(EngineAPI, nn.Module):
                      num_local_io_workers: int | None = None) -> torch.utils.data.DataLoader:
         """A data loader of ``dataset`` for this data-parallel rank: micro-batches of
         ``train_micro_batch_size_per_gpu`` from a `DistributedSampler` over the data-parallel ranks
-        (shuffled for ``route="train"``, in order for "eval" and "predict", as DeepSpeed's)."""
+        (shuffled for ``route="train"``, in order for "eval" and "predict", as DeepSpeed's); with
+        ``data_efficiency.data_sampling.curriculum_learning`` on and no ``data_sampler``, a training loader
+        draws by difficulty (`ds_data.DataSampler`, see ``_data_sampling``)."""
         routes = ("train", "eval", "predict", "encode")
         if route not in routes:
             raise ValueError(f"deepspeed_io: route must be one of {', '.join(repr(r) for r in routes)}, got {route!r}")
+        if data_sampler is None and route in ("train", "encode") and _data_sampling.enabled(self):
+            return _data_sampling.loader(self, dataset, batch_size=batch_size, pin_memory=pin_memory,
+                                         collate_fn=collate_fn)
         return self._loader(dataset, batch_size, pin_memory, data_sampler, collate_fn, num_local_io_workers,
                             shuffle=route not in ("eval", "predict"))
 

@@ -1,6 +1,6 @@
 """DeepSpeed's ``DeepSpeedEngine`` configuration getters (``fp16_enabled()``, ``zero_optimization_stage()``,
 ``train_micro_batch_size_per_gpu()``, ...), read from the `Config` and the parts the engine holds, and the
-calls of features ds-all has not built (MoE, data efficiency's data sampling, autotuning, DeepCompile, AutoTP, sparse
+calls of features ds-all has not built (MoE, autotuning, DeepCompile, AutoTP, sparse
 gradients): getters that say whether such a feature is on answer False (the config refuses it on), calls
 that would use it raise `NotImplementedError` naming it. A mixin of `EngineAPI` (``_engine_api.py``).
 """
@@ -365,10 +365,18 @@ class EngineGetters:
         _random_ltd.initialize_layers(self)
 
     def set_data_post_process_func(self, post_process_func: Any) -> None:
-        raise not_built("set_data_post_process_func", "data efficiency's data loader (its post-process hook)")
+        """``post_process_func(batch, data_sampler_state)`` on each batch of the training loader's data sampler
+        (``data_sampling.curriculum_learning``); its ``current_difficulties`` hold the metrics' difficulties."""
+        from . import _data_sampling
+
+        _data_sampling.set_post_process(self, post_process_func)
 
     def set_custom_curriculum_learning_schedule(self, schedule_func_dict: Any) -> None:
-        raise not_built("set_custom_curriculum_learning_schedule", "curriculum learning")
+        """``{metric: fn(step) -> difficulty}``: the training loader's sampler schedules its ``custom`` metrics
+        with them."""
+        from . import _data_sampling
+
+        _data_sampling.set_custom_schedule(self, schedule_func_dict)
 
     def print_forward_breakdown(self, fwd_time: float) -> None:
         """The forward's time with its MoE parts (all 0 here: no MoE layers), logged on rank 0."""

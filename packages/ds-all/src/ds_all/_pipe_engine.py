@@ -74,6 +74,10 @@ class PipelineEngine(DeepSpeedEngine):
             raise NotImplementedError("data_efficiency.data_routing.random_ltd with a PipelineModule is not "
                                       "implemented in ds-all: the schedule runs the stages' forwards, which the "
                                       "engine's random-LTD schedule does not reach")
+        if config.data_efficiency.data_sampling.curriculum_learning.enabled:
+            raise NotImplementedError("data_efficiency.data_sampling.curriculum_learning with a PipelineModule is not "
+                                      "implemented in ds-all: the pipeline's loader reads its data-parallel share in "
+                                      "order; build the loader with ds_data.DataSampler and set_dataloader")
         self._checkpoint_names = model.checkpoint_names()
         super().__init__(model=model, config=config, **kwargs)
         if self.zero is None:

@@ -1,5 +1,6 @@
-"""The engine's wiring of the ``data_efficiency`` section: random-LTD (``data_routing.random_ltd``), and the
-refusal, by key, of what is not wired yet (``data_sampling.enabled``, ``data_sampling.dynamic_batching.enabled``).
+"""The engine's wiring of the ``data_efficiency`` section's random-LTD (``data_routing.random_ltd``; the data
+sampler is `_data_sampling`'s; ``data_sampling.dynamic_batching`` is read by the script's variable-batch loader
+builder, not by the engine, as in DeepSpeed).
 
 * at initialisation: ``engine.random_ltd_scheduler`` (a `ds_data.RandomLTDScheduler`, or None), and the model's
   `ds_data.RandomLayerTokenDrop` wrappers configured (`initialize_layers`; `ds_data.convert_to_random_ltd` on
@@ -23,23 +24,9 @@ logger = logging.getLogger(__name__)
 RANDOM_LTD = "data_efficiency.data_routing.random_ltd"
 
 
-def _not_built(key: str, what: str) -> NotImplementedError:
-    from . import __version__
-
-    return NotImplementedError(f"data_efficiency.{key} true: {what} is not wired into the engine in ds-all "
-                               f"{__version__}; set it false")
-
-
 def configure(engine: DeepSpeedEngine) -> None:
-    """``engine.random_ltd_scheduler`` (None with random-LTD off) and the wrappers' options; refuses the parts
-    of ``data_efficiency`` not wired yet."""
+    """``engine.random_ltd_scheduler`` (None with random-LTD off) and the wrappers' options."""
     section = engine.config.data_efficiency
-    sampling = section.data_sampling
-    if sampling.enabled:
-        raise _not_built("data_sampling.enabled", "sampling the training data by difficulty (the engine's data "
-                         "sampler)")
-    if sampling.dynamic_batching.enabled:
-        raise _not_built("data_sampling.dynamic_batching.enabled", "dynamic batching (batches by token count)")
     random_ltd = section.data_routing.random_ltd
     engine._random_ltd_layers = []
     engine._random_ltd_warned = False

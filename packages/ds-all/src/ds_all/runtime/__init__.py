@@ -3,11 +3,13 @@
 from . import (  # noqa: F401
     activation_checkpointing,
     bf16_optimizer,
+    data_pipeline,
     dataloader,
     engine,
     fp16,
     lr_schedules,
     pipe,
+    progressive_layer_drop,
     utils,
     zero,
 )

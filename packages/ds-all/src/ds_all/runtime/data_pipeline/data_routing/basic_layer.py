@@ -1,0 +1,5 @@
+"""DeepSpeed's ``deepspeed.runtime.data_pipeline.data_routing.basic_layer`` is ds-data's `RandomLayerTokenDrop`."""
+
+from ds_data import RandomLayerTokenDrop
+
+__all__ = ["RandomLayerTokenDrop"]

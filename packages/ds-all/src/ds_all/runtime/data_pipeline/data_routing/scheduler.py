@@ -1,0 +1,10 @@
+"""DeepSpeed's ``deepspeed.runtime.data_pipeline.data_routing.scheduler`` is ds-data's `RandomLTDScheduler`
+(``BaseScheduler``, its base class in DeepSpeed, is not built: an ImportError naming it)."""
+
+from ds_data import RandomLTDScheduler
+
+from .. import not_built
+
+__all__ = ["RandomLTDScheduler"]
+
+__getattr__ = not_built(__name__, ("BaseScheduler",), "the base class of DeepSpeed's random-LTD scheduler")

@@ -1,0 +1,6 @@
+"""DeepSpeed's ``deepspeed.runtime.progressive_layer_drop`` (releases before 0.19) is ds-data's
+`ProgressiveLayerDrop`."""
+
+from ds_data import ProgressiveLayerDrop
+
+__all__ = ["ProgressiveLayerDrop"]
