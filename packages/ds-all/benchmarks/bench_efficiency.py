@@ -34,7 +34,12 @@ for one block at each kept length; PLD's is the expectation over its keep probab
 arm's mean forward FLOPs per step over its steps to the target and the share saved against plain.
 
     python benchmarks/bench_efficiency.py [--target 1.6] [--max-steps 400] [--json out.json]
+    python benchmarks/bench_efficiency.py --seq 256 --d-model 256 --arms plain curriculum random_ltd
     python benchmarks/bench_efficiency.py --quick        # a ~30 s smoke: tiny model, loose target
+
+The defaults are small enough for a few minutes; the savings turn into time only where the tokens' compute
+dominates a step (not the optimizer, embedding and head), so the goal is met at ``--seq 256 --d-model 256``
+(8 heads, ~6.5 min for three arms): random-LTD 1.43x, the curriculum 1.27x (the package README's table).
 """
 
 from __future__ import annotations
