@@ -24,7 +24,7 @@ LAYERS = {
     "ds_config": -1,  # L0 in ARCHITECTURE.md, usable by every package with a config section
     "ds_ops": 0, "ds_profiler": 0, "ds_launch": 0,
     "ds_comm": 1, "ds_io": 1, "ds_compress": 1,
-    "ds_zero": 2, "ds_pipe": 2, "ds_data": 2,
+    "ds_zero": 2, "ds_pipe": 2, "ds_data": 2, "ds_moe": 2,
     "ds_all": 3,
 }
 STDLIB_ONLY = {"ds_launch"}
