@@ -10,7 +10,15 @@ __version__ = "0.1.0"
 
 from . import groups
 from ._experts import Experts
-from ._gating import TopKGate, top1gating, top2gating, topkgating
+from ._gating import (
+    Routing,
+    TopKGate,
+    gumbel_rsample,
+    multiplicative_jitter,
+    top1gating,
+    top2gating,
+    topkgating,
+)
 from ._layer import MoE, MOELayer
 from ._utils import (
     configure_moe_param_groups,
@@ -24,8 +32,9 @@ from ._utils import (
 )
 
 __all__ = [
-    "Experts", "MOELayer", "MoE", "TopKGate", "__version__", "configure_moe_param_groups",
-    "expert_checkpoint_names", "groups", "has_moe_layers", "is_moe_param", "is_moe_param_group",
+    "Experts", "MOELayer", "MoE", "Routing", "TopKGate", "__version__", "configure_moe_param_groups",
+    "expert_checkpoint_names", "groups", "gumbel_rsample", "has_moe_layers", "is_moe_param", "is_moe_param_group",
+    "multiplicative_jitter",
     "split_params_grads_into_shared_and_expert_params", "split_params_into_different_moe_groups_for_optimizer",
     "split_params_into_shared_and_expert_params", "top1gating", "top2gating", "topkgating",
 ]
