@@ -14,7 +14,11 @@ When ZeRO's data-parallel group is not the whole world (a pipeline: each stage's
 layers), the checkpoint is the union of every group's: shards are placed by world rank, a parameter
 held by several groups (a weight tied across stages) is written by the group of the lowest rank, and
 ``zero_meta.json`` lists every group's parameters; loading reads each group's own, so a pipeline's
-checkpoint loads into another stage count (or none) wherever the parameter names agree.
+checkpoint loads into another stage count (or none) wherever the parameter names agree. Parameters
+replicated over subgroups of ZeRO's group (a parameter group's ``process_group``, `_replicas`: MoE
+experts) are the same case within one group: each is written by the ranks of the subgroup holding the
+lowest world rank that holds it (as the pieces they hold), under its checkpoint name (the caller maps
+local expert names to global ones with ``checkpoint_names``), and loads into any other grouping.
 
 ZeRO's shards end at bucket boundaries, not at even splits of each parameter, so they cannot be
 DTensor ``Shard(0)`` placements; they are `ShardedTensor`s (DCP's type for arbitrary shards) built
@@ -38,6 +42,7 @@ import torch.distributed.checkpoint as dcp
 from ._model import param_name
 from ._nvme import STATES
 from ._nvme_checkpoint import NvmeEntries
+from ._replicas import GROUPING_MARKS
 
 if TYPE_CHECKING:
     from ._optimizer import ZeroOptimizer
@@ -98,12 +103,15 @@ class _Parts:
 
 
 def _parts(zero: ZeroOptimizer, exclude_frozen: bool = False) -> _Parts | None:
-    """None when ``zero``'s group is the whole world; else every group's parameters (a collective of
-    the world: every rank calls it)."""
+    """None when ``zero``'s group is the whole world and holds no parameters replicated over subgroups;
+    else every rank's parameters (a collective of the world: every rank calls it). A parameter is written
+    by the ranks holding it together with the lowest world rank holding it (its ZeRO group, or its
+    subgroup)."""
     world = torch.distributed.get_world_size()
-    if zero.world_size == world:
+    if zero.world_size == world and not zero._replica_groups:
         return None
-    mine = (_world_rank(zero, 0), _names(zero), [list(s.shape) for s in zero.layout.slots],
+    names = _names(zero)
+    mine = (_world_rank(zero, zero.rank), names, [list(s.shape) for s in zero.layout.slots],
             sorted(_other_entries(zero, values=False)), _frozen_names(zero))
     gathered: list[Any] = [None] * world
     torch.distributed.all_gather_object(gathered, mine)
@@ -111,14 +119,15 @@ def _parts(zero: ZeroOptimizer, exclude_frozen: bool = False) -> _Parts | None:
     shapes: dict[str, list[int]] = {}
     others: set[str] = set()
     every_frozen: list[str] = []
-    for first, names, group_shapes, group_others, frozen in sorted({g[0]: g for g in gathered}.values()):
-        for name, shape in zip(names, group_shapes, strict=True):
-            writer.setdefault(name, first)
+    for rank, rank_names, rank_shapes, rank_others, frozen in sorted(gathered, key=lambda g: g[0]):
+        for name, shape in zip(rank_names, rank_shapes, strict=True):
+            writer.setdefault(name, rank)  # the lowest world rank holding it
             shapes.setdefault(name, shape)
-        others.update(group_others)
+        others.update(rank_others)
         every_frozen += [n for n in frozen if n not in every_frozen]
+    holders = [{_world_rank(zero, r) for r in zero.layout.buckets[slot.bucket].ranks} for slot in zero.layout.slots]
     return _Parts(list(writer), shapes, others, every_frozen if exclude_frozen else [], every_frozen,
-                  {n for n in mine[1] if writer[n] != mine[0]})
+                  {n for n, held in zip(names, holders, strict=True) if writer[n] not in held})
 
 
 def _pieces_by_param(zero: ZeroOptimizer) -> dict[int, list[tuple[int, int, int]]]:
@@ -439,7 +448,8 @@ def load_zero_state(zero: ZeroOptimizer, checkpoint_id: Any, meta: dict[str, Any
         zero.optimizer.load_rank_state(rank_state)
     if load_optimizer:
         for group, saved in zip(zero.optimizer.param_groups, meta["param_groups"], strict=False):
-            group.update({k: (tuple(v) if isinstance(group.get(k), tuple) else v) for k, v in saved.items()})
+            group.update({k: (tuple(v) if isinstance(group.get(k), tuple) else v) for k, v in saved.items()
+                          if k not in GROUPING_MARKS})  # the loading run's grouping stays its own
         zero._micro_step = int(meta["micro_step"])
         zero.skipped_steps = int(meta["skipped_steps"])
         if zero.scaler is not None and meta.get("loss_scaler") is not None:

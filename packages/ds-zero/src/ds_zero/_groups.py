@@ -53,7 +53,7 @@ def step_runs(layout: FlatLayout, stage: int, rank: int, group_of: list[int]) ->
     parameter's group)."""
     runs = []
     for bucket in layout.buckets:
-        start = bucket.offset if stage == 0 else bucket.offset + rank * bucket.shard
+        start = bucket.offset if stage == 0 else layout.shard_range(bucket, rank)[0]
         length = bucket.padded if stage == 0 else bucket.shard
         cuts: list[list[int]] = []  # [offset, group]
         for index in bucket.slots:

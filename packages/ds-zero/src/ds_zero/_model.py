@@ -75,11 +75,11 @@ def check_same_model(model: nn.Module, params: list[nn.Parameter], group: Any, w
                              f"and {theirs} on rank {rank} ({len(lists[0])} vs {len(other)} trainable parameters)")
 
 
-def broadcast_from_first_rank(model: nn.Module, group: Any) -> None:
-    """Start from rank 0's parameters and buffers, as DDP does."""
+def broadcast_from_first_rank(model: nn.Module, group: Any, skip: set[int] = frozenset()) -> None:
+    """Start from rank 0's parameters and buffers, as DDP does (but those whose id is in ``skip``)."""
     source = ds_comm.get_global_rank(group, 0) if group is not None else 0
     for tensor in [*model.parameters(), *model.buffers()]:
-        if is_init_partitioned(tensor):  # Init broadcast it when it was built
+        if is_init_partitioned(tensor) or id(tensor) in skip:  # Init broadcast it when it was built
             continue
         ds_comm.broadcast(tensor.data, src=source, group=group)
 

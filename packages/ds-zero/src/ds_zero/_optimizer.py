@@ -35,7 +35,6 @@ optimizer steps views of the flat (bf16) buffer with the bf16 gradients, its sta
 
 from __future__ import annotations
 
-import bisect
 import logging
 import math
 import time
@@ -48,6 +47,7 @@ from torch import nn
 import ds_comm
 
 from ._engine_calls import EngineCalls
+from ._filling import Filling
 from ._frozen import FrozenShards, partitioned_frozen
 from ._groups import option_groups, step_runs
 from ._half import implied_precision
@@ -56,9 +56,7 @@ from ._model import (
     broadcast_from_first_rank,
     check_same_model,
     checked_renames,
-    forget_init_partition,
     full_shape,
-    gather_init_partitioned,
     is_init_partitioned,
     model_device,
     param_name,
@@ -78,9 +76,9 @@ from ._precision import (
     check_bf16_master_optimizer,
     communication_dtype,
     fused_adam_step,
-    needs_whole_tensors,
 )
 from ._reduction import Reduction
+from ._replicas import check_and_broadcast, refuse_replicas, replica_holders, split_process_groups
 from ._scaler import LossScaler
 from ._stage3 import Stage3, plan_units
 from ._stage3_offload import partition_buffer
@@ -96,7 +94,7 @@ logger = logging.getLogger(__name__)
 # keep stage 2's bucket buffers small; measured on the engine workload, see the README.
 OVERLAP_BUCKET_ELEMENTS = 1 << 22
 
-class ZeroOptimizer(Reduction, State, OffloadStates, EngineCalls):
+class ZeroOptimizer(Reduction, State, OffloadStates, EngineCalls, Filling):
     """ZeRO stages 0-3 for ``model`` with ``optimizer`` (a class or a callable taking the list of
     tensors to optimize), in a plain loop::
 
@@ -121,7 +119,10 @@ class ZeroOptimizer(Reduction, State, OffloadStates, EngineCalls):
     torch optimizer takes them (``[{"params": decay, "weight_decay": 0.1}, {"params": no_decay,
     "weight_decay": 0.0}]``); ``optimizer`` is then called with the same groups over ZeRO's tensors
     (each bucket's stepped range split where the group changes), and the groups' options override
-    ``optimizer_kwargs``. ``checkpoint_names``: other names for some parameters in checkpoints
+    ``optimizer_kwargs``. A group may name the ``process_group`` its parameters are replicated over (a
+    subgroup of ``group`` holding this rank: MoE experts' expert-data-parallel group; stages 0-2): their
+    gradients are reduced over it only, averaged by ``group``'s size, their buckets split over it
+    (`_replicas`). ``checkpoint_names``: other names for some parameters in checkpoints
     (``{name in the model: name in the checkpoint}``), where the model's own would mean another tensor
     elsewhere (a pipeline stage's copy of a tied module's untied parameters). ``model_parallel_group``: the
     ranks holding the model's other parts (pipeline stages), whose gradients count in the norm clipped.
@@ -182,6 +183,7 @@ class ZeroOptimizer(Reduction, State, OffloadStates, EngineCalls):
         if None in group_of:  # in no group: not optimized, held as a frozen parameter is
             params = [p for p, g in zip(params, group_of, strict=True) if g is not None]
             group_of = [g for g in group_of if g is not None]
+        group_options, process_groups = split_process_groups(group_options)  # `_replicas`
         for p in params:
             if hasattr(p, "_ds_stage3"):
                 raise ValueError(f"ZeroOptimizer: parameter {param_name(model, p)} is managed by another stage-3 "
@@ -208,8 +210,15 @@ class ZeroOptimizer(Reduction, State, OffloadStates, EngineCalls):
         self.world_size, self.rank = ds_comm.get_world_size(group), ds_comm.get_rank(group)
         self.scaler = LossScaler(fp16_config) if self.precision == "fp16" and not direct else None
         self.skipped_steps = 0
-        check_same_model(model, params, group, self.world_size, self.device)
-        broadcast_from_first_rank(model, group)
+        # parameters replicated over a subgroup of ``group`` (a param group's process_group): `_replicas`
+        holders, self._replica_groups = replica_holders(process_groups, group_of, group)
+        if self._replica_groups:
+            if self.stage == 3:  # (and so ZeRO-Infinity, offload_optimizer.device 'nvme', which needs stage 3)
+                refuse_replicas("zero_optimization.stage 3")
+            check_and_broadcast(model, params, holders, self._replica_groups, group, self.world_size, self.device)
+        else:
+            check_same_model(model, params, group, self.world_size, self.device)
+            broadcast_from_first_rank(model, group)
         managed = {id(p) for p in params}
         for p in model.parameters():  # built under Init: whole again, but stage 3's trainable and frozen ones
             if is_init_partitioned(p) and (self.config.stage < 3 or (id(p) not in managed and p.requires_grad)):
@@ -226,8 +235,9 @@ class ZeroOptimizer(Reduction, State, OffloadStates, EngineCalls):
             self.layout = FlatLayout(shapes, world_size=self.world_size, bucket_size=bucket_size,
                                      groups=[members for _, members in units], align=align)
         else:
-            self.layout = FlatLayout(shapes, world_size=self.world_size, bucket_size=bucket_size)
+            self.layout = FlatLayout(shapes, world_size=self.world_size, bucket_size=bucket_size, holders=holders)
         layout = self.layout
+        self._bucket_groups = [self._replica_groups.get(b.ranks, group) for b in layout.buckets]  # reduced over
         self._shard_starts = layout.partition_offsets()
         if self.stage == 3:  # the flat buffer is this rank's partition: ranges below are in it
             self._owned = [(at, b.shard) for b, at in zip(layout.buckets, self._shard_starts, strict=True)]
@@ -332,6 +342,8 @@ class ZeroOptimizer(Reduction, State, OffloadStates, EngineCalls):
         # asks for (DeepSpeed's enable_backward_allreduce) and leaves the gradients local otherwise
         self._compressed = callable(getattr(self.optimizer, "wants_averaged_gradients", None))
         if self._compressed:
+            if self._replica_groups:
+                refuse_replicas(f"a 1-bit optimizer ({type(self.optimizer).__name__})")
             self._check_compressed(type(self.optimizer).__name__)
             self.optimizer.bind(group, caller_reduces=True)
             self._mask_padding()
@@ -524,75 +536,3 @@ class ZeroOptimizer(Reduction, State, OffloadStates, EngineCalls):
         """The L2 norm of the whole (reduced, unscaled, unclipped) gradient at the last step; None
         before one and after a skipped (overflowed) step."""
         return self._global_grad_norm
-
-    # ------------------------------------------------------------------------------------ internals
-    def _refuse_with_nvme(self, what: str) -> None:
-        if self._nvme is not None:
-            raise NotImplementedError(f"ZeroOptimizer.{what} with offload_optimizer.device 'nvme': its states are in "
-                                      f"files under {self._nvme.directory}, larger than RAM may hold; use "
-                                      "save_zero_checkpoint / load_zero_checkpoint, which stream them")
-
-    def _step_position(self, bucket: int, offset: int) -> tuple[int, int]:
-        """(index of the stepped tensor, offset in it) of element ``offset`` of ``bucket``'s stepped range."""
-        starts = self._run_starts[bucket]
-        i = bisect.bisect_right(starts, (offset, len(self._runs))) - 1
-        return starts[i][1], offset - starts[i][0]
-
-    def _check_optimizer(self) -> None:
-        why = needs_whole_tensors(self.optimizer)
-        if why is not None:
-            raise ValueError(f"ZeroOptimizer: {type(self.optimizer).__name__} cannot step ZeRO's flat partitions: "
-                             f"{why}; use an optimizer whose update is elementwise (Adam, AdamW, SGD, Adagrad, ...)")
-        if self.offload and adam_recipe(self.optimizer) is None:
-            raise ValueError(f"zero_optimization.offload_optimizer steps Adam or AdamW on the CPU (ds_ops' CPU Adam); "
-                             f"got {type(self.optimizer).__name__}: use torch.optim.Adam/AdamW (without amsgrad or "
-                             "maximize) or ds_ops.CPUAdam")
-
-    def _fill_master(self, params: list[nn.Parameter]) -> None:
-        """The master copy from the parameters in the model's 16-bit dtype, widened: DeepSpeed's engine casts
-        the model to fp16/bf16 before it takes the float32 copy, so training starts from the same values."""
-        if self.stage == 0:
-            for p, slot in zip(params, self.layout.slots, strict=True):
-                self._master[slot.offset:slot.offset + slot.numel].copy_(p.detach().reshape(-1).to(self.dtype))
-            return
-        for piece in self.layout.pieces(self.rank):
-            source = params[piece.index].detach().reshape(-1)[piece.param_offset:piece.param_offset + piece.numel]
-            self._master[piece.partition_offset:piece.partition_offset + piece.numel].copy_(source.to(self.dtype))
-
-    def _fill_partitions(self, params: list[nn.Parameter]) -> None:
-        """Stage 3: this rank's shard of every unit into the partition (and the master copy), one unit
-        whole at a time (parameters built under `Init` are gathered from their shards for it), then
-        every parameter is released (the `Stage3` hooks gather them to run). Parameters on NVMe: each
-        unit's shard is written to its place in the file (RAM never holds the partition)."""
-        on_disk = self._nvme is not None and self._nvme.param_dtype is not None
-        for bucket, start in zip(self.layout.buckets, self._shard_starts, strict=True):
-            lo, hi = bucket.offset + self.rank * bucket.shard, bucket.offset + (self.rank + 1) * bucket.shard
-            shard = torch.zeros(bucket.shard, dtype=self.dtype, device="cpu") if on_disk else \
-                self._flat[start:start + bucket.shard]  # (on the host with offload_param)
-            for index in bucket.slots:
-                slot, p = self.layout.slots[index], params[index]
-                a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
-                if a >= b:
-                    if hasattr(p, "ds_init_shard"):  # every rank takes part in the gather
-                        gather_init_partitioned(p, self.group)
-                    continue
-                whole = gather_init_partitioned(p, self.group) if hasattr(p, "ds_init_shard") else p.detach()
-                source = whole.reshape(-1)[a - slot.offset:b - slot.offset]
-                shard[a - lo:b - lo].copy_(source)
-                if self._master is not None:  # from the 16-bit values, as DeepSpeed's (see _fill_master)
-                    self._master[start + a - lo:start + b - lo].copy_(source.to(self.dtype))
-                p.grad = None
-            if on_disk:
-                self._nvme.write_params(start, shard)
-            for index in bucket.slots:  # released: an empty tensor on the model's device
-                params[index].data = torch.empty(0, dtype=self.dtype, device=self.device)
-                forget_init_partition(params[index])
-
-    def _shard_modified(self, bucket: int, values: torch.Tensor) -> None:
-        """GatheredParameters changed a unit's shard to ``values``: the master copy follows."""
-        start = self._shard_starts[bucket]
-        if self._master is not None:
-            self._master[start:start + values.numel()].copy_(values)
-        elif self._nvme is not None and self._nvme.master:
-            self._nvme.write_range("master", start, values.float())
-

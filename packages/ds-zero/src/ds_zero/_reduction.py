@@ -90,17 +90,17 @@ class Reduction:
         if not self._reduces_now():
             return
         self._reduced[b] = True
-        bucket = self.layout.buckets[b]
-        scale = 1.0 / self.world_size
+        bucket, group = self.layout.buckets[b], self._bucket_groups[b]  # ZeRO's group, or the bucket's replicas'
+        scale = 1.0 / self.world_size  # whatever the group: DeepSpeed's averaging of replicated (expert) gradients
         mine = self._shard_grads[b]  # this rank's reduced gradients of the bucket end up here
         if self.stage < 2:
             grads = self._grads[bucket.offset:bucket.offset + bucket.padded]
             if not self._bucket_buffers:
                 grads.mul_(scale)
                 if self.stage == 0:
-                    work = ds_comm.all_reduce(grads, group=self.group, async_op=True)
+                    work = ds_comm.all_reduce(grads, group=group, async_op=True)
                 else:  # stage 1 needs only its shard: reduce-scatter in place (half all-reduce's traffic)
-                    work = ds_comm.reduce_scatter_bucket(grads, mine, group=self.group, async_op=True)
+                    work = ds_comm.reduce_scatter_bucket(grads, mine, group=group, async_op=True)
                 self._work.append((work, self._landed(b, None)))
                 return
             which, buffer = self._staging_buffer(bucket.padded)
@@ -120,18 +120,18 @@ class Reduction:
             if self._stage3 is not None:  # backward is done with this unit's parameters
                 self._stage3.after_reduction(b)
         if self.stage == 0:
-            work = ds_comm.all_reduce(buffer, group=self.group, async_op=True)
+            work = ds_comm.all_reduce(buffer, group=group, async_op=True)
             self._buffer_work[which] = (work, self._landed(b, lambda: grads.copy_(buffer)))
             return
         # The first micro-step of an accumulation writes the shard directly when the dtypes agree;
         # otherwise the reduce-scatter lands in a received buffer, then is copied or added.
         first = self.stage == 1 or not self._accumulated
         if first and mine.dtype == buffer.dtype:
-            work = ds_comm.reduce_scatter_bucket(buffer, mine, group=self.group, async_op=True)
+            work = ds_comm.reduce_scatter_bucket(buffer, mine, group=group, async_op=True)
             self._buffer_work[which] = (work, self._landed(b, None))
             return
         received = self._received_buffers()[which][:bucket.shard]
-        work = ds_comm.reduce_scatter_bucket(buffer, received, group=self.group, async_op=True)
+        work = ds_comm.reduce_scatter_bucket(buffer, received, group=group, async_op=True)
         self._buffer_work[which] = (work, self._landed(b, (lambda: mine.copy_(received)) if first else
                                                      (lambda: mine.add_(received))))
 
@@ -208,9 +208,13 @@ class Reduction:
         overflowed). Stage 0 holds every reduced gradient, so this is local and bitwise torch's; at
         stages 1-2 each parameter's sum of squares is gathered from its pieces first. With a
         ``model_parallel_group`` (pipeline stages) the other parts' squares are added, and a copy of a
-        weight another stage owns (``ds_pipe_replicated``, a tied weight) is left out, as in DeepSpeed."""
+        weight another stage owns (``ds_pipe_replicated``, a tied weight) is left out, as in DeepSpeed.
+        Parameters replicated over subgroups (`_replicas`) count once: at stages 1-2 their pieces split
+        them over their group, at stage 0 each group's first rank counts them (`_replicated_norm`)."""
         counted = [not getattr(p, "ds_pipe_replicated", False) for p in self._params]
-        if self.stage == 0:
+        if self.stage == 0 and self._replica_groups:
+            norm = self._replicated_norm(counted)
+        elif self.stage == 0:
             grads = [p.grad for p, c in zip(self._params, counted, strict=True) if c]
             if self.dtype == torch.float32:
                 norms = torch._foreach_norm(grads)
@@ -236,6 +240,21 @@ class Reduction:
             ds_comm.all_reduce(total, group=self.model_parallel_group)
             norm = total.sqrt()
         return norm
+
+    def _replicated_norm(self, counted: list[bool]) -> torch.Tensor:
+        """Stage 0 with replicated parameters: each rank holds its parameters' whole reduced gradients,
+        the same on every rank of a parameter's group and different between groups. The first rank of each
+        bucket's group adds the squares of its parameters' norms; one all-reduce over ZeRO's group sums them
+        (an inf or NaN anywhere reaches every rank)."""
+        first = {b: bucket.ranks[0] == self.rank for b, bucket in enumerate(self.layout.buckets)}
+        grads = [p.grad for p, slot, c in zip(self._params, self.layout.slots, counted, strict=True)
+                 if c and first[slot.bucket]]
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        if grads:
+            norms = [torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]
+            total = torch.stack(norms).square().sum()
+        ds_comm.all_reduce(total, group=self.group)
+        return total.sqrt()
 
     def _wait_reductions_quietly(self) -> None:
         """Complete reductions still in flight (a close between backward and step), so no
@@ -287,8 +306,8 @@ class Reduction:
     def _gather_parameters(self) -> None:
         """Every rank's updated shards into every rank's parameters: one in-place all-gather per
         bucket (the rank's shard already sits in its place), all in flight at once."""
-        works = [ds_comm.all_gather_bucket(self._flat[b.offset:b.offset + b.padded], group=self.group, async_op=True)
-                 for b in self.layout.buckets]
+        works = [ds_comm.all_gather_bucket(self._flat[b.offset:b.offset + b.padded], group=group, async_op=True)
+                 for b, group in zip(self.layout.buckets, self._bucket_groups, strict=True)]
         for work in works:
             work.wait()
 

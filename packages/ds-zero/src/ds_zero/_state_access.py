@@ -115,7 +115,7 @@ def _assemble(zero: ZeroOptimizer, index: int, where: _Where, piece: torch.Tenso
     out = torch.zeros(slot.numel, dtype=torch.float32, device=zero.device)
     if where.numel:
         out[where.param_offset:where.param_offset + where.numel].copy_(piece)
-    ds_comm.all_reduce(out, group=zero.group)
+    ds_comm.all_reduce(out, group=zero._bucket_groups[slot.bucket])  # the ranks holding it (`_replicas`)
     return out.view(slot.shape)
 
 
