@@ -41,8 +41,8 @@ def _errors(groups) -> dict:
     for name in ("get_model_parallel_group", "get_tensor_model_parallel_group", "get_sequence_parallel_group",
                  "_get_expert_parallel_world_size", "_get_expert_parallel_group", "_get_max_expert_size"):
         try:
-            getattr(groups, name)("ep_size_2") if "expert" in name else getattr(groups, name)()
-            out[name] = None
+            value = getattr(groups, name)("ep_size_2") if "expert_parallel" in name else getattr(groups, name)()
+            out[name] = value if name == "_get_max_expert_size" else None  # a size, or None: no group
         except (RuntimeError, NotImplementedError) as e:
             out[name] = f"{type(e).__name__}: {e}"
     return out
@@ -94,9 +94,10 @@ def test_sizes_ranks_and_groups_with_and_without_a_topology():
         assert errors["get_model_parallel_group"].startswith("RuntimeError: groups: there is no model-parallel group")
         assert "no mpu is registered" in errors["get_tensor_model_parallel_group"]
         assert errors["get_sequence_parallel_group"].startswith("RuntimeError: groups: there is no sequence-parallel")
-        for name in ("_get_expert_parallel_world_size", "_get_expert_parallel_group", "_get_max_expert_size"):
-            assert errors[name].startswith(f"NotImplementedError: groups.{name}: expert-parallel groups belong to MoE")
-            assert "does not build yet" in errors[name]
+        for name in ("_get_expert_parallel_world_size", "_get_expert_parallel_group"):  # ds-moe's: none created yet
+            assert errors[name].startswith("RuntimeError: ds_moe.groups: expert parallel group 'ep_size_2' is not "
+                                           "initialized")
+        assert errors["_get_max_expert_size"] is None  # no expert group yet
         assert none["dicts"] == ({}, {}) and none["expert_mp"] == 1
 
         pipe = got["pipe"]  # pipe 2 x data 1: rank r is stage r, alone in its data-parallel group

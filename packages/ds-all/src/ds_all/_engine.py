@@ -4,6 +4,8 @@
 `ds_zero.ZeroOptimizer` (stages 0-2, fp16/bf16, offload), which knows the accumulation boundary; at
 each boundary the engine steps the learning-rate schedule, writes the monitors' events, prints
 progress every ``steps_per_print`` steps, and runs the flops profiler at ``flops_profiler.profile_step``.
+A model with ds-moe's MoE layers gets its expert groups, and its experts' parameters ZeRO groups reduced
+over those groups (``_moe``).
 Nothing here computes what a package below computes.
 """
 
@@ -25,7 +27,7 @@ import ds_comm
 from ds_profiler import FlopsProfiler
 from ds_zero import ZeroInference, ZeroOptimizer
 
-from . import _checkpoint, _client, _data, _data_efficiency, _data_sampling, checkpointing
+from . import _checkpoint, _client, _data, _data_efficiency, _data_sampling, _moe, checkpointing
 from ._device import engine_device, place_model
 from ._engine_api import EngineAPI
 from ._optimizers import ONE_BIT, build_optimizer
@@ -103,13 +105,19 @@ class DeepSpeedEngine(EngineAPI, nn.Module):
             raise ValueError(f"initialize: optimizer.type {one_bit} runs with zero_optimization.stage 0 only (as "
                              f"DeepSpeed's 1-bit optimizers), got stage {config.zero_optimization.stage}: its 1-bit "
                              "messages replace the data-parallel all-reduce that stages 1-3 partition")
+        _moe.configure(self)  # MoE layers: has_moe_layers, num_experts, ..., the expert groups
         factory, groups = self._optimizer_factory(optimizer, model_parameters)
+        options = self._zero_options()
+        if self.has_moe_layers and factory is not None:  # each expert group's parameters over its own ranks
+            factory, groups = _moe.optimizer_groups(optimizer, factory, groups,
+                                                    [p for p in model.parameters() if p.requires_grad], lr_scheduler)
+            options["checkpoint_names"] = _moe.checkpoint_names(model, options.get("checkpoint_names"))
         if factory is not None:
             self.zero = self.optimizer = ZeroOptimizer(
                 model, factory, config=config.zero_optimization, fp16=config.fp16, bf16=config.bf16,
                 gradient_clipping=config.gradient_clipping,
                 communication_data_type=config.communication_data_type, group=self._dp_group,
-                aio=config.aio, param_groups=groups, **self._zero_options())
+                aio=config.aio, param_groups=groups, **options)
         # stage 3 without an optimizer (evaluation): the parameters partitioned, gathered around each module's
         # forward (DeepSpeed's DeepSpeedZeRoOffload); backward and step refuse (no optimizer)
         self._zero_inference: ZeroInference | None = None
@@ -335,6 +343,8 @@ class DeepSpeedEngine(EngineAPI, nn.Module):
             logger.info("step=%d, skipped=%d, lr=[%s], loss=%s, samples/sec=%.1f", self.global_steps,
                         self.skipped_steps, lrs, "-" if loss is None else f"{loss:.5f}", rate)
             if self.wall_clock_breakdown():
+                if self.has_moe_layers:
+                    self.print_forward_breakdown(self.timers(FORWARD).elapsed(reset=False) / max(self._interval_steps, 1))
                 logger.info(self.timers.line([FORWARD, BACKWARD, STEP, ALLREDUCE], self._interval_steps))
         self._interval_start, self._interval_steps = time.perf_counter(), 0
 
@@ -498,6 +508,7 @@ class DeepSpeedEngine(EngineAPI, nn.Module):
         self.progress.close()
         if self._owns_process_group and ds_comm.is_initialized():
             ds_comm.destroy_process_group()
+            _moe.forget_expert_groups()  # they went with it; a later initialize makes its own
         self._owns_process_group = False
         if self._gc_disabled:
             _python_gc_enable()

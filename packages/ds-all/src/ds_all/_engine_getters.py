@@ -1,6 +1,6 @@
 """DeepSpeed's ``DeepSpeedEngine`` configuration getters (``fp16_enabled()``, ``zero_optimization_stage()``,
 ``train_micro_batch_size_per_gpu()``, ...), read from the `Config` and the parts the engine holds, and the
-calls of features ds-all has not built (MoE, autotuning, DeepCompile, AutoTP, sparse
+calls of features ds-all has not built (DeepSpeed's MoE checkpoint files, autotuning, DeepCompile, AutoTP, sparse
 gradients): getters that say whether such a feature is on answer False (the config refuses it on), calls
 that would use it raise `NotImplementedError` naming it. A mixin of `EngineAPI` (``_engine_api.py``).
 """
@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from . import _moe
 
 logger = logging.getLogger("ds_all")
 
@@ -379,9 +381,13 @@ class EngineGetters:
         _data_sampling.set_custom_schedule(self, schedule_func_dict)
 
     def print_forward_breakdown(self, fwd_time: float) -> None:
-        """The forward's time with its MoE parts (all 0 here: no MoE layers), logged on rank 0."""
+        """The forward's time with its MoE parts, logged on rank 0: the last forward's milliseconds in the
+        MoE layers, their first and second all-to-all and their gates, summed over the layers (recorded
+        with ``wall_clock_breakdown``; 0 without it or without MoE layers), as DeepSpeed's."""
+        moe, first, second, gate = _moe.forward_breakdown(self)
         if self.global_rank == 0:
-            logger.info("time (ms) | fwd: %.2f (fwd_moe: 0.00, 1st_a2a: 0.00, 2nd_a2a: 0.00, top_k: 0.00)", fwd_time)
+            logger.info("time (ms) | fwd: %.2f (fwd_moe: %.2f, 1st_a2a: %.2f, 2nd_a2a: %.2f, top_k: %.2f)", fwd_time,
+                        moe, first, second, gate)
 
     def autotuning_enabled(self) -> bool:
         return False

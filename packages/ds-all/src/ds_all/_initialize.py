@@ -123,7 +123,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
 
 # The loggers log_level sets: DeepSpeed's ("DeepSpeed", ds_all.utils.logger) and every ds package's.
 _LOGGERS = ("DeepSpeed", "ds_all", "ds_zero", "ds_pipe", "ds_comm", "ds_ops", "ds_io", "ds_compress", "ds_profiler",
-            "ds_config", "ds_data")
+            "ds_config", "ds_data", "ds_moe")
 
 
 def _set_log_level(level: str) -> None:

@@ -12,7 +12,10 @@ kind has one rank. The functions need the process group (``ds_all.comm.init_dist
   the tensor-parallel size and rank, and ``get_tensor_model_parallel_src_rank``);
 * sequence parallel (Ulysses): ``get_sequence_parallel_*`` (one rank unless the mpu has more) and
   ``get_sequence_data_parallel_*`` (the data-parallel ones unless the mpu has its own);
-* expert parallel (MoE): not built yet; the ``_get_expert_*`` functions raise NotImplementedError.
+* expert parallel (MoE): the ``ep_size_<N>`` expert-parallel and expert-data-parallel groups, ds-moe's
+  (`ds_moe.groups`): ``_create_expert_and_data_parallel``, ``_get_expert_parallel_group / _ranks /
+  _world_size / _rank``, ``_get_expert_data_parallel_*``, ``_get_max_expert_size``... (the engine creates
+  them for a model's `MoE` layers at `initialize`).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from typing import Any
 import torch.distributed
 
 import ds_comm
+from ds_moe import groups as _moe_groups
 
 # the model-parallel unit: set by ds_all.initialize (as DeepSpeed's engine does) or by the script
 mpu: Any = None
@@ -29,9 +33,6 @@ mpu: Any = None
 # set_tensor_model_parallel_world_size / _rank: values that replace the mpu's
 _TENSOR_MODEL_PARALLEL_WORLD_SIZE: int | None = None
 _TENSOR_MODEL_PARALLEL_RANK: int | None = None
-
-_MOE_NOT_BUILT = ("expert-parallel groups belong to MoE (deepspeed.moe), which ds_all does not build yet; there "
-                  "are no expert groups to ask about")
 
 __all__ = ["get_data_parallel_group", "get_data_parallel_rank", "get_data_parallel_world_size",
            "get_model_parallel_group", "get_model_parallel_rank", "get_model_parallel_world_size",
@@ -215,44 +216,44 @@ _get_sequence_data_parallel_rank = get_sequence_data_parallel_rank
 _get_sequence_data_parallel_group = get_sequence_data_parallel_group
 
 
-# ---- expert parallel (MoE): not built ----
+# ---- expert parallel (MoE): ds-moe's groups ----
 
-def _moe_not_built(name: str):
-    def not_built(*args: Any, **kwargs: Any):
-        raise NotImplementedError(f"groups.{name}: {_MOE_NOT_BUILT}")
-
-    not_built.__name__ = not_built.__qualname__ = name
-    not_built.__doc__ = f"DeepSpeed's ``groups.{name}`` (MoE): raises NotImplementedError, MoE is not built yet."
-    return not_built
-
-
-_create_expert_and_data_parallel = _moe_not_built("_create_expert_and_data_parallel")
-_create_expert_data_and_model_parallel = _moe_not_built("_create_expert_data_and_model_parallel")
-_get_max_expert_size = _moe_not_built("_get_max_expert_size")
-_get_max_expert_size_name = _moe_not_built("_get_max_expert_size_name")
-_get_max_expert_parallel_group = _moe_not_built("_get_max_expert_parallel_group")
-_get_expert_parallel_group = _moe_not_built("_get_expert_parallel_group")
-_get_expert_parallel_group_ranks = _moe_not_built("_get_expert_parallel_group_ranks")
-_get_expert_parallel_world_size = _moe_not_built("_get_expert_parallel_world_size")
-_get_expert_parallel_rank = _moe_not_built("_get_expert_parallel_rank")
-_get_expert_parallel_src_rank = _moe_not_built("_get_expert_parallel_src_rank")
-_get_expert_data_parallel_group = _moe_not_built("_get_expert_data_parallel_group")
-_get_expert_data_parallel_group_ranks = _moe_not_built("_get_expert_data_parallel_group_ranks")
-_get_expert_data_parallel_world_size = _moe_not_built("_get_expert_data_parallel_world_size")
-_get_expert_data_parallel_rank = _moe_not_built("_get_expert_data_parallel_rank")
-_get_expert_broadcast_src_rank = _moe_not_built("_get_expert_broadcast_src_rank")
+_create_expert_and_data_parallel = _moe_groups._create_expert_and_data_parallel
+_get_max_expert_size = _moe_groups._get_max_expert_size
+_get_max_expert_size_name = _moe_groups._get_max_expert_size_name
+_get_max_expert_parallel_group = _moe_groups._get_max_expert_parallel_group
+_get_expert_parallel_group = _moe_groups._get_expert_parallel_group
+_get_expert_parallel_group_ranks = _moe_groups._get_expert_parallel_group_ranks
+_get_expert_parallel_world_size = _moe_groups._get_expert_parallel_world_size
+_get_expert_parallel_rank = _moe_groups._get_expert_parallel_rank
+_get_expert_parallel_src_rank = _moe_groups._get_expert_parallel_src_rank
+_get_expert_data_parallel_group = _moe_groups._get_expert_data_parallel_group
+_get_expert_data_parallel_group_ranks = _moe_groups._get_expert_data_parallel_group_ranks
+_get_expert_data_parallel_world_size = _moe_groups._get_expert_data_parallel_world_size
+_get_expert_data_parallel_rank = _moe_groups._get_expert_data_parallel_rank
+_get_expert_broadcast_src_rank = _moe_groups._get_expert_broadcast_src_rank
+_get_expert_parallel_group_dict = _moe_groups._get_expert_parallel_group_dict
+_get_expert_data_parallel_group_dict = _moe_groups._get_expert_data_parallel_group_dict
 
 
-def _get_expert_parallel_group_dict() -> dict:
-    """The expert-parallel groups by name: none (MoE is not built)."""
-    return {}
+def _create_expert_data_and_model_parallel(expert_parallel_size_, mpu, use_data_before_expert_parallel_=False):
+    """DeepSpeed's: the ``ep_size_<N>`` expert groups laid out around ``mpu``'s tensor-parallel and pipeline
+    sizes (ds-moe's `_create_expert_and_data_parallel` with ``mp_size``/``pp_size``); groups that exist stay."""
+    _require("_create_expert_data_and_model_parallel")
 
+    def size(*names: str) -> int:
+        for name in names:
+            ask = getattr(mpu, name, None) if mpu is not None else None
+            if ask is not None:
+                return int(ask())
+        return 1
 
-def _get_expert_data_parallel_group_dict() -> dict:
-    """The expert-data-parallel groups by name: none (MoE is not built)."""
-    return {}
+    mp_size = size("get_tensor_model_parallel_world_size", "get_model_parallel_world_size")
+    pp_size = size("get_pipeline_model_parallel_world_size", "get_pipe_parallel_world_size")
+    _moe_groups._create_expert_and_data_parallel(expert_parallel_size_, mp_size=mp_size, pp_size=pp_size,
+                                                 use_data_before_expert_parallel_=use_data_before_expert_parallel_)
 
 
 def _get_expert_model_parallel_world_size() -> int:
-    """The experts' tensor-parallel world size: 1, as DeepSpeed's without MoE."""
+    """The experts' tensor-parallel world size: 1 (ds-moe builds no expert tensor parallelism)."""
     return 1

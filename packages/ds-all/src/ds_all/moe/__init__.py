@@ -1,0 +1,4 @@
+"""DeepSpeed's ``deepspeed.moe``: ds-moe's Mixture of Experts under DeepSpeed's module paths
+(``from ds_all.moe.layer import MoE``, ``ds_all.moe.sharded_moe``, ``ds_all.moe.experts``, ``ds_all.moe.utils``)."""
+
+from . import experts, layer, sharded_moe, utils  # noqa: F401
