@@ -10,6 +10,11 @@ the previous tag loadable and ``latest`` naming it; a partial tag is never loade
 copies what is written, returns, and writes in a background thread (the rename and ``latest`` there too,
 once every rank's files are written); the next save, a load or `wait_checkpoint` waits for it.
 
+A model with MoE layers (ds-moe) is checkpointed the same way: ZeRO names each expert parameter by its
+global expert id (the engine's ``checkpoint_names``), so a checkpoint loads at another ``ep_size``; the
+layers' layout is recorded in ``engine_meta.json`` (``moe``) and a change of ``ep_size`` is logged at load.
+Buffers of experts split over several ranks are refused by name (they have no global names yet).
+
 A tag directory DeepSpeed wrote (no ``engine_meta.json``, DeepSpeed's ``*model_states.pt``) loads through
 `_deepspeed_checkpoint`; with ``checkpoint.load_universal`` the default tag is what ``latest_universal`` names.
 """
@@ -28,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 import ds_comm
+import ds_moe
 import ds_ops
 from ds_zero import SafeReader, is_deepspeed_checkpoint, load_zero_checkpoint, save_zero_checkpoint
 
@@ -127,11 +133,44 @@ def _rng_states() -> dict[str, torch.Tensor]:
     return states
 
 
+def _refuse_expert_buffers(engine: DeepSpeedEngine, call: str) -> None:
+    """MoE experts are checkpointed under their global ids (ds-zero's ``checkpoint_names``), which name
+    parameters only: a buffer of an expert split over ``ep_size > 1`` ranks would be saved under its local
+    index by every expert-parallel rank (one rank's value kept for all) and read back into the wrong
+    expert, so it is refused rather than mixed up."""
+    for prefix, layer in engine.module.named_modules():
+        if not isinstance(layer, ds_moe.MoE) or layer.ep_size == 1:
+            continue
+        buffers = [name for name, _ in layer.deepspeed_moe.experts.named_buffers()]
+        if buffers:
+            raise NotImplementedError(
+                f"{call}: the experts of the MoE layer {prefix or '(the model)'} (ep_size {layer.ep_size}) hold "
+                f"buffers ({', '.join(buffers[:3])}{' ...' if len(buffers) > 3 else ''}); checkpoints of expert "
+                "buffers under their global expert ids are not implemented in ds-all (parameters are); use "
+                "ep_size=1, or experts without buffers")
+
+
+def _moe_layout(engine: DeepSpeedEngine) -> dict[str, list[int]]:
+    """``{layer name: [num_experts, ep_size]}`` of the model's MoE layers (recorded in the metadata)."""
+    return {prefix: [layer.num_experts, layer.ep_size] for prefix, layer in engine.module.named_modules()
+            if isinstance(layer, ds_moe.MoE)}
+
+
+def _log_moe_resharding(engine: DeepSpeedEngine, saved: dict[str, list[int]] | None, path: Path) -> None:
+    now = _moe_layout(engine)
+    changed = {name: (saved[name][1], layout[1]) for name, layout in now.items()
+               if saved and name in saved and saved[name][1] != layout[1]}
+    if changed:
+        logger.info("load_checkpoint: %s was saved at another ep_size (layer: saved -> now) %s; each rank reads its "
+                    "experts by their global ids", path, changed)
+
+
 def save_checkpoint(engine: DeepSpeedEngine, save_dir: Any, tag: str | None = None, client_state: dict | None = None,
                     save_latest: bool = True, exclude_frozen_parameters: bool = False,
                     async_save: bool = False) -> bool:
     check_directory(save_dir, "save_checkpoint", "save_dir")
     zero = engine._require_optimizer("save_checkpoint")
+    _refuse_expert_buffers(engine, "save_checkpoint")
     wait_checkpoint(engine)  # one save at a time
     tag = _check_tag(tag if tag is not None else f"global_step{engine.global_steps}")
     plain, tensors = _split_client_state(client_state or {})
@@ -153,7 +192,7 @@ def save_checkpoint(engine: DeepSpeedEngine, save_dir: Any, tag: str | None = No
                 "global_steps": engine.global_steps, "global_samples": engine.global_samples,
                 "micro_steps": engine.micro_steps, "zero_stage": engine.zero_optimization_stage(),
                 "lr_scheduler": _scheduler_state(engine), "data_loader": engine._loader_state(),
-                "data_efficiency": _data_efficiency.state(engine),
+                "data_efficiency": _data_efficiency.state(engine), "moe": _moe_layout(engine),
                 "client_state": plain, "client_tensors": sorted(tensors)}
     if written is not None:
         engine._pending_save = _PendingSave(written, lambda: _complete(root, tag, meta, save_latest)
@@ -255,6 +294,7 @@ def load_checkpoint(engine: DeepSpeedEngine, load_dir: Any, tag: str | None = No
                     load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                     load_module_only: bool = False) -> tuple[str | None, dict | None]:
     zero = engine._require_optimizer("load_checkpoint")
+    _refuse_expert_buffers(engine, "load_checkpoint")
     wait_checkpoint(engine)
     root = Path(load_dir)
     tag = _resolve_tag(root, tag, engine.config.checkpoint.load_universal)
@@ -291,6 +331,8 @@ def load_checkpoint(engine: DeepSpeedEngine, load_dir: Any, tag: str | None = No
     client_tensors = _client_tensors(path, meta["client_tensors"], saved)
     extra.update({f"client/{k}": v for k, v in client_tensors.items()})
     optimizer_too = load_optimizer_states and not load_module_only
+    if rank == 0:
+        _log_moe_resharding(engine, meta.get("moe"), path)
     load_zero_checkpoint(zero, path, load_optimizer=optimizer_too, extra=extra, strict=load_module_strict)
     if same_world:
         torch.set_rng_state(rng)
