@@ -6,7 +6,8 @@ at the other ``ep_size`` (2 -> 1 and 1 -> 2) it continues within 1e-6. Right aft
 weight, buffer and Adam state equals what was saved, by *global* expert id (the reference in this file
 maps local to global ids by DeepSpeed's rule, ``global = ep_rank * num_local + local``, with
 ``ep_rank = rank % ep_size``). Also ``load_module_only``, ``load_optimizer_states=False`` and the
-float32 export (experts under their global ids), which trains on like the module-only load."""
+float32 export (experts under their global ids), which trains on like the module-only load. Experts
+holding buffers (a BatchNorm's statistics) at ep_size 2 load at ep_size 1 and 2 by global expert id."""
 
 from __future__ import annotations
 
@@ -288,33 +289,53 @@ def test_moe_checkpoint_of_two_ranks_loads_on_one_at_another_stage(tmp_path):
     assert len(losses) == 2 and all(0 < loss < 10 for loss in losses)
 
 
-class _ExpertWithBuffer(nn.Module):
-    def __init__(self) -> None:
+class _BatchNormMoE(nn.Module):
+    """One MoE layer whose experts hold a BatchNorm (running statistics: buffers, each expert's its own)."""
+
+    def __init__(self, ep: int) -> None:
         super().__init__()
-        self.lin = nn.Linear(D, D)
-        self.register_buffer("calls", torch.zeros(1))
+        from ds_all.moe.layer import MoE
+
+        expert = nn.Sequential(nn.Linear(D, D), nn.BatchNorm1d(D))
+        self.moe = MoE(D, expert, num_experts=EXPERTS, ep_size=ep, k=1, min_capacity=4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lin(x)
+        out, l_aux, _ = self.moe(x)
+        return out.pow(2).mean() + 0.01 * l_aux
 
 
-def buffer_run(rank, world_size, path):
-    from ds_all.moe.layer import MoE
+def _expert_buffers(engine, ep: int) -> dict[str, torch.Tensor]:
+    """Every expert buffer, whole, by global name (a collective)."""
+    rank = torch.distributed.get_rank()
+    return _merged({_global(k, ep, rank): v.clone() for k, v in engine.module.named_buffers() if _EXPERT.fullmatch(k)})
 
-    torch.manual_seed(0)
-    model = nn.Sequential(MoE(D, _ExpertWithBuffer(), num_experts=EXPERTS, ep_size=2, k=1))
-    engine, *_ = ds_all.initialize(model=model, config=_config(1))
-    errors = []
-    for call in (lambda: engine.save_checkpoint(path, tag="t"), lambda: engine.load_checkpoint(path, tag="t")):
-        with pytest.raises(NotImplementedError, match=r"MoE layer 0 \(ep_size 2\) hold buffers "
-                                                      r"\(deepspeed_experts\.0\.calls, deepspeed_experts\.1\.calls\)"):
-            call()
-        errors.append(True)
+
+def buffer_run(rank, world_size, path, ep, save):
+    torch.manual_seed(0 if save else 99)
+    engine, *_ = ds_all.initialize(model=_BatchNormMoE(ep), config=_config(1))
+    if save:
+        for step in range(2):
+            g = torch.Generator().manual_seed(10 * step + rank)
+            engine.backward(engine(torch.randn(16, D, generator=g) * (1 + rank)))
+            engine.step()
+        engine.save_checkpoint(path, tag="bn")
+    else:
+        engine.load_checkpoint(path, tag="bn")
+    state = _expert_buffers(engine, ep)
     engine.destroy()
-    return errors
+    return state
 
 
-def test_expert_buffers_at_ep_size_2_are_refused_by_name(tmp_path):
-    """Expert buffers would be saved under local expert indices (one rank's kept for all): refused."""
-    assert spawn(buffer_run, world_size=2, args=(str(tmp_path),), timeout=240) == [[True, True]] * 2
-    assert not any(tmp_path.iterdir())  # nothing written
+@pytest.mark.parametrize("ep_to", [1, 2])
+def test_expert_buffers_load_by_global_expert_id(tmp_path, ep_to):
+    """ep 2 -> ep 1 and ep 2: each expert's BatchNorm statistics (buffers) are saved under its global
+    expert id by the rank holding it and read back into that expert, wherever it is now."""
+    saved = spawn(buffer_run, world_size=2, args=(str(tmp_path), 2, True), timeout=240)[0]
+    prefix = "moe.deepspeed_moe.experts.deepspeed_experts."
+    assert sorted(saved) == sorted(f"{prefix}{e}.1.{b}" for e in range(EXPERTS)
+                                   for b in ("running_mean", "running_var", "num_batches_tracked"))
+    means = [saved[f"{prefix}{e}.1.running_mean"] for e in range(EXPERTS)]
+    assert all(not torch.equal(means[i], means[j]) for i in range(EXPERTS) for j in range(i))  # mix-ups show
+    assert all(saved[f"{prefix}{e}.1.num_batches_tracked"] == 2 for e in range(EXPERTS))
+    for loaded in spawn(buffer_run, world_size=2, args=(str(tmp_path), ep_to, False), timeout=240):
+        _assert_states_equal(loaded, saved)

@@ -93,3 +93,20 @@ def test_configure_moe_param_groups():
 
 def test_expert_checkpoint_names_are_empty_at_ep_rank_zero():
     assert expert_checkpoint_names(Net(num_experts=2)) == {}
+
+
+def names_at_ep_2(rank, world_size):
+    torch.manual_seed(0)
+    expert = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))  # parameters and buffers
+    net = nn.ModuleDict({"dense": nn.Linear(4, 4), "moe": MoE(4, expert, num_experts=4, ep_size=2)})
+    net["moe"].set_deepspeed_parallelism()
+    return expert_checkpoint_names(net)
+
+
+def test_expert_checkpoint_names_map_parameters_and_buffers_to_global_ids():
+    from ds_comm.testing import spawn
+
+    prefix = "moe.deepspeed_moe.experts.deepspeed_experts."
+    tensors = ["0.weight", "0.bias", "1.weight", "1.bias", "1.running_mean", "1.running_var", "1.num_batches_tracked"]
+    expected = {f"{prefix}{local}.{rest}": f"{prefix}{2 + local}.{rest}" for local in range(2) for rest in tensors}
+    assert spawn(names_at_ep_2, world_size=2) == [{}, expected]

@@ -10,10 +10,10 @@ the previous tag loadable and ``latest`` naming it; a partial tag is never loade
 copies what is written, returns, and writes in a background thread (the rename and ``latest`` there too,
 once every rank's files are written); the next save, a load or `wait_checkpoint` waits for it.
 
-A model with MoE layers (ds-moe) is checkpointed the same way: ZeRO names each expert parameter by its
-global expert id (the engine's ``checkpoint_names``), so a checkpoint loads at another ``ep_size``; the
-layers' layout is recorded in ``engine_meta.json`` (``moe``) and a change of ``ep_size`` is logged at load.
-Buffers of experts split over several ranks are refused by name (they have no global names yet).
+A model with MoE layers (ds-moe) is checkpointed the same way: ZeRO names each expert parameter and
+buffer by its global expert id (the engine's ``checkpoint_names``), so a checkpoint loads at another
+``ep_size``; the layers' layout is recorded in ``engine_meta.json`` (``moe``) and a change of ``ep_size``
+is logged at load.
 
 A tag directory DeepSpeed wrote (no ``engine_meta.json``, DeepSpeed's ``*model_states.pt``) loads through
 `_deepspeed_checkpoint`; with ``checkpoint.load_universal`` the default tag is what ``latest_universal`` names.
@@ -133,23 +133,6 @@ def _rng_states() -> dict[str, torch.Tensor]:
     return states
 
 
-def _refuse_expert_buffers(engine: DeepSpeedEngine, call: str) -> None:
-    """MoE experts are checkpointed under their global ids (ds-zero's ``checkpoint_names``), which name
-    parameters only: a buffer of an expert split over ``ep_size > 1`` ranks would be saved under its local
-    index by every expert-parallel rank (one rank's value kept for all) and read back into the wrong
-    expert, so it is refused rather than mixed up."""
-    for prefix, layer in engine.module.named_modules():
-        if not isinstance(layer, ds_moe.MoE) or layer.ep_size == 1:
-            continue
-        buffers = [name for name, _ in layer.deepspeed_moe.experts.named_buffers()]
-        if buffers:
-            raise NotImplementedError(
-                f"{call}: the experts of the MoE layer {prefix or '(the model)'} (ep_size {layer.ep_size}) hold "
-                f"buffers ({', '.join(buffers[:3])}{' ...' if len(buffers) > 3 else ''}); checkpoints of expert "
-                "buffers under their global expert ids are not implemented in ds-all (parameters are); use "
-                "ep_size=1, or experts without buffers")
-
-
 def _moe_layout(engine: DeepSpeedEngine) -> dict[str, list[int]]:
     """``{layer name: [num_experts, ep_size]}`` of the model's MoE layers (recorded in the metadata)."""
     return {prefix: [layer.num_experts, layer.ep_size] for prefix, layer in engine.module.named_modules()
@@ -170,7 +153,6 @@ def save_checkpoint(engine: DeepSpeedEngine, save_dir: Any, tag: str | None = No
                     async_save: bool = False) -> bool:
     check_directory(save_dir, "save_checkpoint", "save_dir")
     zero = engine._require_optimizer("save_checkpoint")
-    _refuse_expert_buffers(engine, "save_checkpoint")
     wait_checkpoint(engine)  # one save at a time
     tag = _check_tag(tag if tag is not None else f"global_step{engine.global_steps}")
     plain, tensors = _split_client_state(client_state or {})
@@ -294,7 +276,6 @@ def load_checkpoint(engine: DeepSpeedEngine, load_dir: Any, tag: str | None = No
                     load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                     load_module_only: bool = False) -> tuple[str | None, dict | None]:
     zero = engine._require_optimizer("load_checkpoint")
-    _refuse_expert_buffers(engine, "load_checkpoint")
     wait_checkpoint(engine)
     root = Path(load_dir)
     tag = _resolve_tag(root, tag, engine.config.checkpoint.load_universal)

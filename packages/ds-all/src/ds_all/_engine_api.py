@@ -22,6 +22,7 @@ import ds_comm
 import ds_ops
 from ds_zero import OffloadDeviceEnum
 
+from . import _moe
 from ._engine_getters import _DTYPES, EngineGetters, _setting, not_built
 from ._optimizers import optimizer_class
 
@@ -230,8 +231,19 @@ class EngineAPI(EngineGetters):
             self.zero.refresh_fp32_params()
 
     @staticmethod
-    def load_moe_state_dict(*args: Any, **kwargs: Any) -> None:
-        raise not_built("load_moe_state_dict", "Mixture of Experts")
+    def load_moe_state_dict(checkpoint_path: Any, tag: Any, state_dict: dict, old_moe_load: bool,
+                            model: torch.nn.Module | None = None, mpu: Any = None, num_experts: Any = 1,
+                            checkpoint_engine: Any = None, autoep_layers: Any = None, folding_spec: Any = None,
+                            checkpoint_mp_rank: int | None = None) -> None:
+        """DeepSpeed's: this rank's experts from a DeepSpeed checkpoint's per-expert files
+        (``layer_<L>_expert_<global id>_mp_rank_<mp>_model_states.pt``; ``old_moe_load``:
+        ``expert_<global id>_...``) into ``state_dict``, in place, under their local expert indices
+        (``global id = expert-parallel rank * num_local_experts + local``). ``checkpoint_engine``: an object
+        with DeepSpeed's ``load(path, map_location=)``; None reads with ``torch.load(weights_only=True)``."""
+        _moe.load_moe_state_dict(checkpoint_path, tag, state_dict, old_moe_load, model=model, mpu=mpu,
+                                 num_experts=num_experts, checkpoint_engine=checkpoint_engine,
+                                 autoep_layers=autoep_layers, folding_spec=folding_spec,
+                                 checkpoint_mp_rank=checkpoint_mp_rank)
 
     # ------------------------------------------------------------------ data-parallel helpers
     @property

@@ -11,12 +11,13 @@ so ZeRO reduces an expert's gradients over the ranks holding that expert only (a
 data-parallel world size: DeepSpeed's arithmetic, the result does not depend on ``ep_size``). Groups made by
 ``split_params_into_different_moe_groups_for_optimizer`` are kept as given; expert parameters left in
 other groups are split out into groups of their own (DeepSpeed's ZeRO asserts instead). In checkpoints an
-expert parameter is named by its global expert id (`ds_moe.expert_checkpoint_names`).
+expert parameter or buffer is named by its global expert id (`ds_moe.expert_checkpoint_names`).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -26,6 +27,8 @@ from torch import nn
 import ds_moe
 from ds_moe import groups as moe_groups
 from ds_pipe import PipelineModule
+
+from ._checkpoint import META_FILE
 
 logger = logging.getLogger("ds_all")
 
@@ -148,8 +151,8 @@ def _rebind_groups(optimizer: torch.optim.Optimizer) -> Callable:
 
 
 def checkpoint_names(model: nn.Module, names: dict[str, str] | None) -> dict[str, str]:
-    """``names`` (the engine's other checkpoint names, if any) with each local expert parameter named by its
-    global expert id (`ds_moe.expert_checkpoint_names`)."""
+    """``names`` (the engine's other checkpoint names, if any) with each local expert parameter and buffer
+    named by its global expert id (`ds_moe.expert_checkpoint_names`)."""
     return {**(names or {}), **ds_moe.expert_checkpoint_names(model)}
 
 
@@ -168,3 +171,78 @@ def forward_breakdown(engine: Any) -> tuple[float, float, float, float]:
 def forget_expert_groups() -> None:
     """After the engine destroyed the process group it created: the expert groups went with it."""
     moe_groups._reset_expert_groups()
+
+
+_EXPERTS = ".deepspeed_moe.experts.deepspeed_experts."
+
+
+def _expert_parallel(group_name: str, ep_size: int, where: str) -> tuple[int, int]:
+    """``(expert-parallel rank, expert-parallel world size)`` of the ``group_name`` expert groups; ``(0, 1)``
+    at ``ep_size`` 1 when they were not made (every expert is local)."""
+    if group_name in moe_groups._get_expert_parallel_group_dict():
+        return moe_groups._get_expert_parallel_rank(group_name), moe_groups._get_expert_parallel_world_size(group_name)
+    if ep_size == 1:
+        return 0, 1
+    raise RuntimeError(f"{where}: the {group_name} expert groups do not exist; build the engine (ds_all.initialize) "
+                       "or call MoE.set_deepspeed_parallelism() first")
+
+
+def _read_expert(path: str, layer_id: int, global_id: int, local_id: int, checkpoint_engine: Any,
+                 where: str) -> dict[str, torch.Tensor]:
+    """One expert's file, its keys renamed from the global expert id to the local one."""
+    if not os.path.isfile(path):
+        layer = "" if layer_id < 0 else f"MoE layer {layer_id}, "
+        raise FileNotFoundError(f"{where}: no checkpoint file for {layer}expert {global_id} (global id; local "
+                                f"expert {local_id} of this rank): {path}")
+    cpu = torch.device("cpu")
+    loaded = checkpoint_engine.load(path, map_location=cpu) if checkpoint_engine is not None else \
+        torch.load(path, map_location=cpu, weights_only=True)
+    old, new = f"{_EXPERTS}{global_id}.", f"{_EXPERTS}{local_id}."
+    return {key.replace(old, new, 1): value for key, value in loaded.items()}
+
+
+def load_moe_state_dict(checkpoint_path: Any, tag: Any, state_dict: dict, old_moe_load: bool,
+                        model: nn.Module | None = None, mpu: Any = None, num_experts: Any = 1,
+                        checkpoint_engine: Any = None, autoep_layers: Any = None, folding_spec: Any = None,
+                        checkpoint_mp_rank: int | None = None) -> None:
+    """DeepSpeed's ``DeepSpeedEngine.load_moe_state_dict``: read this rank's experts from the per-expert
+    files of a DeepSpeed checkpoint into ``state_dict`` (in place), under their local expert indices."""
+    where = "load_moe_state_dict"
+    if autoep_layers is not None or folding_spec is not None:
+        raise NotImplementedError(f"{where}: AutoEP layers (autoep_layers, folding_spec) are not implemented in "
+                                  "ds-all")
+    tag_dir = os.path.join(os.fspath(checkpoint_path), "" if tag is None else str(tag))
+    if os.path.isfile(os.path.join(tag_dir, META_FILE)):
+        raise ValueError(f"{where}: {tag_dir} is a checkpoint ds-all wrote ({META_FILE}); its experts are in "
+                         "ZeRO's sharded files, not in DeepSpeed's per-expert files: use engine.load_checkpoint")
+    if checkpoint_mp_rank is None:
+        checkpoint_mp_rank = 0 if mpu is None else mpu.get_model_parallel_rank()
+
+    def file(layer_id: int, expert_id: int) -> str:
+        layer = "" if layer_id < 0 else f"layer_{layer_id}_"
+        return os.path.join(tag_dir, f"{layer}expert_{expert_id}_mp_rank_{checkpoint_mp_rank:02d}_model_states.pt")
+
+    if old_moe_load:  # one file per expert, holding every layer's copy of it
+        if not moe_groups._get_expert_parallel_group_dict():
+            raise RuntimeError(f"{where}: old_moe_load needs the expert groups; build the engine (ds_all.initialize) "
+                               "or call MoE.set_deepspeed_parallelism() first")
+        name = moe_groups._get_max_expert_size_name()
+        rank, size = _expert_parallel(name, moe_groups._get_max_expert_size(), where)
+        local = max(num_experts if isinstance(num_experts, (list, tuple)) else [num_experts]) // size
+        for local_id in range(local):
+            global_id = rank * local + local_id
+            state_dict.update(_read_expert(file(-1, global_id), -1, global_id, local_id, checkpoint_engine, where))
+        return
+    if model is None:
+        raise ValueError(f"{where}: model must be the module holding the MoE layers (old_moe_load=False reads "
+                         "each layer's experts), got None")
+    layer_id = 0
+    for module in model.modules():
+        if not isinstance(module, ds_moe.MoE):
+            continue
+        rank, _ = _expert_parallel(module.expert_group_name, module.ep_size, where)
+        for local_id in range(module.num_local_experts):
+            global_id = rank * module.num_local_experts + local_id
+            state_dict.update(_read_expert(file(layer_id, global_id), layer_id, global_id, local_id,
+                                           checkpoint_engine, where))
+        layer_id += 1

@@ -1,6 +1,7 @@
 """DeepSpeedExamples' training/cifar/cifar10_deepspeed.py, adapted only for a CPU without internet: the
-CIFAR-10 images are random tensors of their shape (torchvision has no CPU build here), a few steps, no
-MoE (``--moe`` stops with DeepSpeed's import of ``deepspeed.moe``), and the losses printed as JSON. The
+CIFAR-10 images are random tensors of their shape (torchvision has no CPU build here), a few steps, the
+example's ``--moe`` options left out (its MoE path, over ``ds_all.moe``, runs in
+``examples/moe_cifar_style.py``, tested by ``test_moe_tutorial.py``), and the losses printed as JSON. The
 import is the one line a user changes: ``DS_EXAMPLE_BACKEND=deepspeed`` runs it on DeepSpeed itself
 (how the losses in ``cifar10_losses.json`` were made), anything else on ds.
 

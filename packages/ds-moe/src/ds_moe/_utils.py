@@ -136,11 +136,11 @@ def _ep_rank(layer: MoE) -> int:
 
 
 def expert_checkpoint_names(model: nn.Module) -> dict[str, str]:
-    """``{local name: global name}`` for the expert parameters whose global expert id differs from their
-    local index: ``<layer>.deepspeed_moe.experts.deepspeed_experts.<i>.<rest>`` ->
+    """``{local name: global name}`` for the expert parameters and buffers whose global expert id differs
+    from their local index: ``<layer>.deepspeed_moe.experts.deepspeed_experts.<i>.<rest>`` ->
     ``...deepspeed_experts.<ep_rank * num_local_experts + i>.<rest>`` (empty on expert-parallel rank 0)."""
     names: dict[str, str] = {}
-    params = dict(model.named_parameters())
+    params = [name for name, _ in model.named_parameters()] + [name for name, _ in model.named_buffers()]
     for prefix, layer in model.named_modules():
         if not isinstance(layer, MoE):
             continue

@@ -131,16 +131,18 @@ def forget_init_partition(p: torch.Tensor) -> None:
 
 
 def checked_renames(model: nn.Module, renames: dict[str, str] | None) -> dict[str, str]:
-    """``ZeroOptimizer(checkpoint_names=)``: names of the model's parameters to other, non-empty names that
-    leave every parameter's name in checkpoints its own."""
+    """``ZeroOptimizer(checkpoint_names=)``: names of the model's parameters and buffers to other, non-empty
+    names that leave every tensor's name in checkpoints its own."""
     renames = dict(renames or {})
-    names = {name for name, _ in model.named_parameters()}
+    names = {name for name, _ in model.named_parameters()} | {name for name, _ in model.named_buffers()}
     unknown = sorted(k for k in renames if k not in names)
     if unknown or not all(isinstance(v, str) and v for v in renames.values()):
-        raise ValueError(f"ZeroOptimizer: checkpoint_names maps parameter names of the model to non-empty names; "
-                         f"got {renames!r}" + (f" (not parameters of the model: {unknown})" if unknown else ""))
+        raise ValueError(f"ZeroOptimizer: checkpoint_names maps parameter and buffer names of the model to non-empty "
+                         f"names; got {renames!r}"
+                         + (f" (not parameters of the model: {unknown}, nor buffers)" if unknown else ""))
     final = Counter(renames.get(name, name) for name in names)
     clashes = sorted(name for name, count in final.items() if count > 1)
     if clashes:
-        raise ValueError(f"ZeroOptimizer: checkpoint_names gives names another parameter has: {clashes}")
+        raise ValueError(f"ZeroOptimizer: checkpoint_names gives names another parameter has: {clashes} (parameters "
+                         "and buffers each need a name of their own)")
     return renames

@@ -122,10 +122,11 @@ class ZeroOptimizer(Reduction, State, OffloadStates, EngineCalls, Filling):
     ``optimizer_kwargs``. A group may name the ``process_group`` its parameters are replicated over (a
     subgroup of ``group`` holding this rank: MoE experts' expert-data-parallel group; stages 0-2): their
     gradients are reduced over it only, averaged by ``group``'s size, their buckets split over it
-    (`_replicas`). ``checkpoint_names``: other names for some parameters in checkpoints
-    (``{name in the model: name in the checkpoint}``), where the model's own would mean another tensor
-    elsewhere (a pipeline stage's copy of a tied module's untied parameters). ``model_parallel_group``: the
-    ranks holding the model's other parts (pipeline stages), whose gradients count in the norm clipped.
+    (`_replicas`). ``checkpoint_names``: other names for some parameters or buffers in
+    checkpoints (``{name in the model: name in the checkpoint}``), where the model's own would mean another
+    tensor elsewhere (a pipeline stage's copy of a tied module's untied parameters, a rank's local expert).
+    ``model_parallel_group``: the ranks holding the model's other parts (pipeline stages), whose gradients count
+    in the norm clipped.
     """
 
     def __init__(self, model: nn.Module, optimizer: type[torch.optim.Optimizer] | Callable = torch.optim.AdamW, *,
