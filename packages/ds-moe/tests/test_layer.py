@@ -145,6 +145,10 @@ class Branchy(nn.Module):
 def test_batched_experts_equal_a_per_expert_loop(expert):
     torch.manual_seed(0)
     experts = Experts(expert(), num_local_experts=3, expert_group_name="ep_size_1")
+    has_buffers = expert is not mlp and expert is not Tanh2 and expert is not Branchy
+    assert experts.batched is (False if has_buffers else None)  # None: batched on accelerators, a loop on CPU
+    if not has_buffers:
+        experts.batched = True  # the batched path, on this CPU too
     for i, one in enumerate(experts.deepspeed_experts):  # make the copies differ
         for p in one.parameters():
             p.data.add_(0.1 * (i + 1))
@@ -159,8 +163,6 @@ def test_batched_experts_equal_a_per_expert_loop(expert):
     want = torch.autograd.grad((looped * probe).sum(), params, allow_unused=True)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=0, atol=1e-6)
-    has_buffers = expert is not mlp and expert is not Tanh2 and expert is not Branchy
-    assert experts.batched is not has_buffers
     assert experts._vmap_failed is (expert is Branchy)
 
 
@@ -170,6 +172,10 @@ def test_batched_path_is_one_vmapped_call_and_the_loop_can_be_forced():
     x = torch.randn(2, 3, M)
     calls = []
     handle = experts.deepspeed_experts[1].register_forward_pre_hook(lambda m, a: calls.append(1))
+    experts(x)
+    assert calls == [1]  # the default on a CPU tensor: one expert at a time
+    calls.clear()
+    experts.batched = True
     batched = experts(x)
     assert calls == []  # the batched path runs the template (expert 0) once under vmap, never expert 1
     experts.batched = False

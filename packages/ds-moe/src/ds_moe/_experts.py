@@ -31,7 +31,13 @@ class Experts(nn.Module):
     works for any expert module without buffers or in-place updates of its state. An expert with
     buffers (e.g. BatchNorm), or one whose forward vmap cannot run (data-dependent control flow,
     ``.item()``), falls back to a Python loop over the experts; the fallback is chosen once, the first time
-    vmap fails, and logged. ``batched = False`` forces the loop.
+    vmap fails, and logged.
+
+    ``batched``: None (the default) picks by device: the batched path on an accelerator, the loop on the
+    CPU, where one GEMM per expert measured faster than the batched one (bench_moe on the §9 GPT, 2 ranks,
+    ep 2: a step 0.95x the batched path's; oneDNN's batched GEMM and the stacked copy cost more than a
+    kernel launch per expert, which a GPU pays and a CPU does not). True forces the batched path, False the
+    loop; an expert with buffers always loops.
     """
 
     def __init__(self, expert: nn.Module, num_local_experts: int = 1, expert_group_name: str | None = None) -> None:
@@ -46,7 +52,7 @@ class Experts(nn.Module):
             for param in one.parameters():
                 param.allreduce = False
                 param.group_name = expert_group_name
-        self.batched = next(expert.buffers(), None) is None
+        self.batched: bool | None = None if next(expert.buffers(), None) is None else False
         self._vmap_failed = False
 
     def _stacked(self) -> dict[str, torch.Tensor]:
@@ -66,7 +72,8 @@ class Experts(nn.Module):
         return torch.stack([_first(one(x)) for one, x in zip(self.deepspeed_experts, inputs.unbind(0), strict=True)])
 
     def _run(self, inputs: torch.Tensor) -> torch.Tensor:
-        if self.batched and not self._vmap_failed:
+        batched = self.batched if self.batched is not None else inputs.device.type != "cpu"
+        if batched and not self._vmap_failed:
             try:
                 return self._run_batched(inputs)
             except (RuntimeError, NotImplementedError, TypeError, ValueError) as err:
