@@ -30,8 +30,6 @@ IN_UNBUILT_SECTIONS = {
     "autotuning": ["enabled", "results_dir", "exps_dir", "overwrite", "metric", "start_profile_step",
                    "end_profile_step", "fast", "max_train_batch_size", "mp_size", "num_tuning_micro_batch_sizes",
                    "tuner_type", "tuner_early_stopping", "tuner_num_trials", "arg_mappings"],
-    "elasticity": ["enabled", "max_train_batch_size", "micro_batch_sizes", "min_gpus", "max_gpus", "min_time",
-                   "version", "ignore_non_elastic_batch_info", "num_gpus_per_node", "model_parallel_size"],
     "comet": ["enabled", "samples_log_interval", "project", "workspace", "api_key", "experiment_name",
               "experiment_key", "online", "mode"],
     "amp": ["enabled", "opt_level"],

@@ -19,6 +19,7 @@ import torch
 
 import ds_all
 import ds_comm
+import ds_launch
 import ds_ops
 import ds_pipe
 import ds_zero
@@ -89,6 +90,9 @@ PATHS = [
     ("ds_all.runtime.lr_schedules", "WarmupLR", ds_all.WarmupLR),
     ("ds_all.runtime.activation_checkpointing.checkpointing", "checkpoint", ds_all.checkpointing.checkpoint),
     ("ds_all.checkpointing", "configure", ds_all.checkpointing.configure),
+    ("ds_all.elasticity", "compute_elastic_config", ds_launch.compute_elastic_config),
+    ("ds_all.elasticity", "ElasticityConfigError", ds_launch.ElasticityConfigError),
+    ("ds_all.elasticity", "ElasticityIncompatibleWorldSize", ds_launch.ElasticityIncompatibleWorldSize),
 ]
 
 

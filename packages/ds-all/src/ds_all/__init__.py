@@ -12,14 +12,28 @@ monitors from the config. ``import ds_all as deepspeed`` runs a DeepSpeed traini
 DeepSpeed's module tree is here, each module an alias of the part that owns it: ``ds_all.comm`` (ds-comm:
 ``import ds_all.comm as dist``), ``ds_all.zero`` (ds-zero), ``ds_all.ops`` (ds-ops, with ``ops.adam``,
 ``ops.lamb``, ...), ``ds_all.pipe`` (ds-pipe), ``ds_all.moe`` (ds-moe: ``deepspeed.moe.layer.MoE``),
-``ds_all.accelerator`` (``get_accelerator()``), ``ds_all.utils`` (``logger``, ``log_dist``, ``RepeatingLoader``),
+``ds_all.accelerator`` (``get_accelerator()``), ``ds_all.elasticity`` (``compute_elastic_config``),
+``ds_all.utils`` (``logger``, ``log_dist``, ``RepeatingLoader``),
 ``ds_all.runtime.*`` (the ``deepspeed.runtime`` paths scripts import). A ``PipelineModule`` given to
 ``initialize`` makes a ``PipelineEngine``; ``ds_all.versions()`` gives every part's version.
 """
 
 from ds_comm import init_distributed
 
-from . import accelerator, checkpointing, comm, hf, moe, monitor, ops, pipe, runtime, utils, zero
+from . import (
+    accelerator,
+    checkpointing,
+    comm,
+    elasticity,
+    hf,
+    moe,
+    monitor,
+    ops,
+    pipe,
+    runtime,
+    utils,
+    zero,
+)
 from ._engine import DeepSpeedEngine
 from ._initialize import add_config_arguments, initialize
 from ._optimizers import build_optimizer
@@ -57,6 +71,7 @@ __all__ = [
     "build_scheduler",
     "checkpointing",
     "comm",
+    "elasticity",
     "hf",
     "init_distributed",
     "initialize",

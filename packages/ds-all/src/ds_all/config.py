@@ -31,6 +31,7 @@ from ds_pipe import PipelineConfig
 from ds_profiler import FlopsProfilerConfig
 from ds_zero import BF16Config, FP16Config, ZeroConfig
 
+from ._elasticity import ElasticityConfig, elastic_batch_triad
 from ._monitor_config import (
     ActivationCheckpointingConfig,
     CheckpointConfig,
@@ -47,7 +48,7 @@ Auto = Literal["auto"]
 Batch = Annotated[int, Field(gt=0)] | Auto | None
 
 # DeepSpeed features ds-all does not implement: accepted while off, refused by name when on.
-NOT_IMPLEMENTED = ("amp", "autotuning", "elasticity", "eigenvalue", "hybrid_engine", "nebula", "comet", "quantize_training", "weight_quantization",
+NOT_IMPLEMENTED = ("amp", "autotuning", "eigenvalue", "hybrid_engine", "nebula", "comet", "quantize_training", "weight_quantization",
                    "graph_harvesting", "memory_breakdown", "sparse_gradients", "load_universal_checkpoint",
                    "use_node_local_storage", "zero_quantized_weights", "zero_quantized_gradients",
                    "seq_parallel_communication_data_type", "timers", "disable_allgather", "expert_parallel",
@@ -133,6 +134,8 @@ class Config(Section):
     tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig, description="AutoTP "
                                                   "(refused above size 1).")
     compile: CompileConfig = Field(default_factory=CompileConfig, description="DeepCompile (refused when on).")
+    elasticity: ElasticityConfig = Field(default_factory=ElasticityConfig, description="Elastic training: when "
+                                         "enabled, Config.resolve takes the batch triad from it.")
 
     @field_validator("steps_per_print", mode="before")
     @classmethod
@@ -275,7 +278,8 @@ class Config(Section):
         return train, micro, gas
 
     def resolve(self, *, dp_world_size: int, **auto: Any) -> Config:
-        """A copy with the batch triad filled in for ``dp_world_size`` ranks and each ``"auto"``
+        """A copy with the batch triad filled in for ``dp_world_size`` ranks (from the ``elasticity``
+        section when it is enabled: ds-launch's `compute_elastic_config`) and each ``"auto"``
         replaced by the value given for its key (``train_micro_batch_size_per_gpu=8``, or a dotted
         path as keyword-safe name with ``__``: ``zero_optimization__reduce_bucket_size=...``). An
         ``"auto"`` left anywhere is an error naming its key."""
@@ -290,7 +294,12 @@ class Config(Section):
                                  f"{holder.get(path[-1])!r}); only \"auto\" values are resolved")
             holder[path[-1]] = value
         resolved = Config.model_validate(data)
-        train, micro, gas = resolved.batch_triad(dp_world_size)
+        if resolved.elasticity.enabled:
+            if isinstance(dp_world_size, bool) or not isinstance(dp_world_size, int) or dp_world_size < 1:
+                raise ValueError(f"dp_world_size must be a positive integer, got {dp_world_size!r}")
+            train, micro, gas = elastic_batch_triad(data, dp_world_size)
+        else:
+            train, micro, gas = resolved.batch_triad(dp_world_size)
         data.update(train_batch_size=train, train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=gas)
         resolved = Config.model_validate(data)
         left = [key for key in _autos(resolved.model_dump(by_alias=True)) if key not in MEANINGFUL_AUTO]
