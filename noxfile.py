@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import nox
@@ -74,8 +75,17 @@ def _cpu_line() -> str:
             f"lacks: {' '.join(f for f in ('avx2', 'avx512f', 'avx512_bf16', 'amx_bf16') if f not in flags) or '-'}")
 
 
+def _disk_line() -> str:
+    free = shutil.disk_usage(tempfile.gettempdir()).free / 2**30
+    # each session's venv (torch included) and the ops it builds take a few GiB: a full disk shows up
+    # as compiler and pickle errors deep in the tests, so it is named here first
+    warn = "  <- low: builds and checkpoints in the tests below may fail for want of space" if free < 8 else ""
+    return f"disk: {free:.1f} GiB free in {tempfile.gettempdir()}{warn}"
+
+
 def _pytest(session: nox.Session, *args: str) -> None:
     session.log(_cpu_line())
+    session.log(_disk_line())
     # Only exit code 0 passes (nox's default, stated here on purpose): pytest's 5, "no tests ran",
     # fails the session like any other failure, since every package has tests.
     # --durations: the slowest tests in the log, to keep the whole run under its 30 minutes

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -39,7 +40,7 @@ class CustomBuildHook(BuildHookInterface):
         wanted = requested_ops(list(op_builder.BUILDERS), os.environ)
         if not wanted:
             return
-        out = Path(tempfile.mkdtemp(prefix="ds-ops-prebuilt-"))
+        out = self._prebuilt = Path(tempfile.mkdtemp(prefix="ds-ops-prebuilt-"))
         for name in wanted:
             builder = op_builder.BUILDERS[name]()
             ok, reason = builder.compatibility()
@@ -50,3 +51,9 @@ class CustomBuildHook(BuildHookInterface):
             self.app.display_info(f"ds-ops: built op {name} ahead ({builder.simd_level()})")
         build_data["pure_python"] = False
         build_data["infer_tag"] = True
+
+    def finalize(self, version, build_data, artifact_path):
+        # the libraries are in the wheel now: the build directory would stay in /tmp for good otherwise
+        prebuilt = getattr(self, "_prebuilt", None)
+        if prebuilt is not None:
+            shutil.rmtree(prebuilt, ignore_errors=True)
