@@ -31,11 +31,11 @@ TORCH = "torch==2.13.0"
 TEST_DEPS = ["pytest>=8", "pytest-timeout>=2.3", "numpy", TORCH]
 # Packages in dependency order (lower layers first): one pip command installs them together.
 PACKAGES = ["ds-config", "ds-ops", "ds-profiler", "ds-launch", "ds-comm", "ds-io", "ds-compress", "ds-zero", "ds-pipe",
-            "ds-data", "ds-moe", "ds-all"]
+            "ds-data", "ds-moe", "ds-parallel", "ds-autotune", "ds-all"]
 PACKAGES = [p for p in PACKAGES if (ROOT / "packages" / p / "pyproject.toml").exists()]
 # Packages whose issue asks for "installable and testable alone" in the test command.
 STANDALONE_IN_CI = ["ds-config", "ds-launch", "ds-profiler", "ds-ops", "ds-comm", "ds-io", "ds-compress", "ds-zero",
-                    "ds-pipe", "ds-data", "ds-moe"]
+                    "ds-pipe", "ds-data", "ds-moe", "ds-parallel", "ds-autotune"]
 # Tests of those packages that need another ds package (ds-comm's native 1-bit path needs ds-ops, its hang
 # test ds-launch): they skip in the standalone session, where the package is alone, so tests-rest, where
 # every package is installed, runs them (paths under the package's tests/).

@@ -22,12 +22,12 @@ BAD_REPO = Path(__file__).resolve().parent / "fixtures" / "bad_repo"
 
 LAYERS = {
     "ds_config": -1,  # L0 in ARCHITECTURE.md, usable by every package with a config section
-    "ds_ops": 0, "ds_profiler": 0, "ds_launch": 0,
+    "ds_ops": 0, "ds_profiler": 0, "ds_launch": 0, "ds_autotune": 0,
     "ds_comm": 1, "ds_io": 1, "ds_compress": 1,
-    "ds_zero": 2, "ds_pipe": 2, "ds_data": 2, "ds_moe": 2,
+    "ds_zero": 2, "ds_pipe": 2, "ds_data": 2, "ds_moe": 2, "ds_parallel": 2,
     "ds_all": 3,
 }
-STDLIB_ONLY = {"ds_launch"}
+STDLIB_ONLY = {"ds_launch", "ds_autotune"}
 
 
 def imports_of(path: Path) -> list[tuple[str, int]]:

@@ -351,7 +351,7 @@ def test_ds_report_lists_every_installed_ds_package_without_importing_them():
                          check=True).stdout
     assert "IMPORTED []" in out
     from importlib import metadata
-    for name in ("ds-ops", "ds-profiler", "ds-compress", "ds-launch", "ds-comm", "ds-io", "ds-data", "ds-moe", "ds-all",
+    for name in ("ds-ops", "ds-profiler", "ds-compress", "ds-launch", "ds-comm", "ds-io", "ds-data", "ds-moe", "ds-parallel", "ds-autotune", "ds-all",
                  "ds-config"):
         try:
             version = metadata.version(name)

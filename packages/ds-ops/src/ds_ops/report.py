@@ -24,7 +24,7 @@ from .op_builder import BUILDERS, OpBuilder, OpBuildError, cache_root, system
 # The ds family, bottom layer first. Versions come from the installed distributions' metadata:
 # nothing here imports a package (ds-ops must not import the layers above it).
 DS_PACKAGES = ("ds-config", "ds-ops", "ds-profiler", "ds-launch", "ds-comm", "ds-io", "ds-compress", "ds-zero",
-               "ds-pipe", "ds-data", "ds-moe", "ds-all")
+               "ds-pipe", "ds-data", "ds-moe", "ds-parallel", "ds-autotune", "ds-all")
 
 
 def all_builders() -> dict[str, type[OpBuilder]]:
