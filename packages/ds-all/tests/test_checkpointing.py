@@ -96,9 +96,9 @@ def test_the_model_parallel_tracker_forks_a_state_that_the_recompute_replays():
     checkpointing.model_parallel_cuda_manual_seed(123)
     checkpointing.checkpoint(region, w).sum().backward()
     assert torch.equal(w.grad, plain) and 0 < (plain == 0).sum() < 64
-    with pytest.raises(ValueError, match="seed 1000 is already in use"):
+    with pytest.raises(ValueError, match="seed 1000 is already used"):
         tracker.add("other", 1000), tracker.add("third", 1000)
-    with pytest.raises(ValueError, match="no state named 'nope'"), tracker.fork("nope"):
+    with pytest.raises(RuntimeError, match="no state named 'nope'"), tracker.fork("nope"):
         pass
 
 

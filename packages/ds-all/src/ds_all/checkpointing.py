@@ -22,7 +22,6 @@ for the recompute, so dropout draws the same mask: gradients equal those of the 
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Callable
 from typing import Any
@@ -31,51 +30,14 @@ import torch
 
 import ds_comm
 import ds_ops
+from ds_parallel import CudaRNGStatesTracker, get_cuda_rng_tracker  # noqa: F401 (DeepSpeed exports the class here)
+from ds_parallel import model_parallel_cuda_manual_seed as _seed_model_parallel
 
 from ._monitor_config import ActivationCheckpointingConfig
 
-_DEFAULT_TRACKER_NAME = "model-parallel-rng"
-
-
-class CudaRNGStatesTracker:
-    """Named random states (DeepSpeed's tracker for model-parallel regions): ``add(name, seed)``, then
-    ``with tracker.fork(name):`` draws from that state and keeps its progress. On a machine without
-    CUDA the states are CPU generator states, so the same code runs and is tested there."""
-
-    def __init__(self) -> None:
-        self.states: dict[str, torch.Tensor] = {}
-        self.seeds: set[int] = set()
-
-    def reset(self) -> None:
-        self.states, self.seeds = {}, set()
-
-    def get_states(self) -> dict[str, torch.Tensor]:
-        return {name: state.clone() for name, state in self.states.items()}
-
-    def set_states(self, states: dict[str, torch.Tensor]) -> None:
-        self.states = {name: state.clone() for name, state in states.items()}
-
-    def add(self, name: str, seed: int) -> None:
-        if seed in self.seeds:
-            raise ValueError(f"CudaRNGStatesTracker.add: seed {seed} is already in use")
-        if name in self.states:
-            raise ValueError(f"CudaRNGStatesTracker.add: state {name!r} already exists")
-        self.seeds.add(seed)
-        with _fresh_rng():
-            _manual_seed(seed)
-            self.states[name] = _get_rng()
-
-    @contextlib.contextmanager
-    def fork(self, name: str = _DEFAULT_TRACKER_NAME):
-        if name not in self.states:
-            raise ValueError(f"CudaRNGStatesTracker.fork: no state named {name!r}; known: {sorted(self.states)}")
-        outside = _get_rng()
-        _set_rng(self.states[name])
-        try:
-            yield
-        finally:
-            self.states[name] = _get_rng()
-            _set_rng(outside)
+# One tracker per process, ds-parallel's (its tensor-parallel layers draw dropout from it): the
+# names below are DeepSpeed's deepspeed.checkpointing ones.
+_tracker = get_cuda_rng_tracker()
 
 
 def _device_rng() -> bool:
@@ -90,34 +52,12 @@ def _set_rng(state: torch.Tensor) -> None:
     (torch.cuda.set_rng_state if _device_rng() else torch.set_rng_state)(state)
 
 
-def _manual_seed(seed: int) -> None:
-    (torch.cuda.manual_seed if _device_rng() else torch.manual_seed)(seed)
-
-
-@contextlib.contextmanager
-def _fresh_rng():
-    saved = _get_rng()
-    try:
-        yield
-    finally:
-        _set_rng(saved)
-
-
-_tracker = CudaRNGStatesTracker()
-
-
-def get_cuda_rng_tracker() -> CudaRNGStatesTracker:
-    return _tracker
-
-
 def model_parallel_cuda_manual_seed(seed: int) -> None:
     """Megatron's seeding: the default generator gets ``seed`` (the same on every model-parallel
     rank, for data-parallel-like regions) and the tracker's model-parallel state ``seed + 2718 +
     model-parallel rank`` (different per rank, for tensor-parallel dropout)."""
     rank = _mpu.get_model_parallel_rank() if _mpu is not None else 0
-    _tracker.reset()
-    _manual_seed(seed)
-    _tracker.add(_DEFAULT_TRACKER_NAME, seed + 2718 + rank)
+    _seed_model_parallel(seed, rank=rank)
 
 
 # ------------------------------------------------------------------------------------- settings
