@@ -97,6 +97,7 @@ def _pytest(session: nox.Session, *args: str) -> None:
 APT_NEEDS = {
     "ds-launch": {"sshd": "openssh-server", "ssh": "openssh-client", "pdsh": "pdsh"},  # real multi-node tests
     "ds-io": {"/usr/include/libaio.h": "libaio-dev"},  # Linux AIO; without it the op uses pread/pwrite
+    "ds-all": {"sshd": "openssh-server", "ssh": "openssh-client"},  # the elastic launch over ssh to loopback
 }
 
 

@@ -247,3 +247,25 @@ def compute_elastic_config(ds_config: dict, target_deepspeed_version: str, world
             return batch, valid, (max(fitting) if section.prefer_larger else fitting[0])
         return batch, valid, _largest_micro(batch, world, micro)
     return batch, valid
+
+
+def elastic_rank_counts(ds_config: dict, target_deepspeed_version: str) -> tuple[int, list[int]]:
+    """For an elastic launcher: ``(final_batch_size, rank_counts)``, the total numbers of ranks (data-parallel
+    ranks × ``model_parallel_size``) that train with that one global batch size, ascending. Unlike
+    `compute_elastic_config` with version 0.2 it needs no world size: the fallback batch 0.2 computes for a
+    world size outside the list (another global batch) is not an elastic size."""
+    if not isinstance(ds_config, dict):
+        raise ElasticityConfigError(f"ds_config must be a dictionary, got {type(ds_config).__name__}")
+    if "elasticity" not in ds_config:
+        raise ElasticityConfigError("'elasticity' is missing from the config; add it to run an elastic job")
+    section = _Section(ds_config["elasticity"])
+    _check_version(target_deepspeed_version)
+    if section.version == 0.1:
+        batch, valid = _search_v01(section.micro, section.max_batch, section.min_gpus, section.max_gpus,
+                                   section.prefer_larger)
+        return batch, valid
+    dp_per_node = section.gpus_per_node // section.model_parallel
+    node_batch, nodes = _search_v01(section.micro, section.max_batch // dp_per_node,
+                                    section.min_gpus // section.gpus_per_node,
+                                    section.max_gpus // section.gpus_per_node, section.prefer_larger)
+    return node_batch * dp_per_node, [n * dp_per_node * section.model_parallel for n in nodes]

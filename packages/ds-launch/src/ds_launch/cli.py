@@ -73,6 +73,21 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _elastic_nodes(name: str):
+    def parse(text: str) -> int:
+        if text != "-1" and not (text.isdigit() and int(text) >= 1):
+            raise argparse.ArgumentTypeError(f"{name} must be a positive number of hosts (or -1: the default), "
+                                             f"got {text!r}")
+        return int(text)
+    return parse
+
+
+def _restarts(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"must be a number of restarts >= 0, got {text!r}")
+    return int(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="ds-launch",
@@ -104,6 +119,22 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--ssh_port", type=_port, default=None, help="ssh port of the remote nodes")
     n.add_argument("--force_multi", action="store_true",
                    help="use the multi-node launcher even for a single node")
+    el = p.add_argument_group("elastic training (restart at a new size when a node is lost or joins)")
+    el.add_argument("--elastic_training", "--elastic", action="store_true",
+                    help="run on the hosts that are up and restart every rank at a size the training config's "
+                         "elasticity section allows when a node is lost or joins (ssh launcher; the script resumes "
+                         "from its latest checkpoint and gets TORCHELASTIC_RESTART_COUNT)")
+    el.add_argument("--min_elastic_nodes", "--min_nodes", type=_elastic_nodes("--min_elastic_nodes"), default=-1,
+                    help="the fewest hosts a round starts with (default 1)")
+    el.add_argument("--max_elastic_nodes", "--max_nodes", type=_elastic_nodes("--max_elastic_nodes"), default=-1,
+                    help="the most hosts a round uses (default: every host of the hostfile)")
+    el.add_argument("--max_restarts", type=_restarts, default=None,
+                    help="restarts after a failure before giving up (default 100, as DeepSpeed's elastic agent; "
+                         "a node joining does not count)")
+    el.add_argument("--elastic_timeout", type=_seconds, default=None,
+                    help="seconds the rendezvous waits for --min_elastic_nodes hosts to be up (default 100)")
+    el.add_argument("--monitor_interval", type=_seconds, default=None,
+                    help="seconds between looks for hosts that came up during a round (default 5)")
     b = p.add_argument_group("processes")
     b.add_argument("--bind_cores_to_rank", action="store_true",
                    help="split this node's cores evenly among its ranks and set OMP_NUM_THREADS")
@@ -128,6 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run an unmodified DeepSpeed script on ds_all: in the ranks, for this launch only, "
                         "'import deepspeed' gives ds_all and deepspeed.X gives ds_all.X (refused when a real "
                         "DeepSpeed is importable)")
+    p.add_argument("--autotuning", choices=("tune", "run"), default=None,
+                   help="autotune the script's DeepSpeed config with the ds-autotune command (run: then train "
+                        "with the best config found)")
     p.add_argument("user_script", help="the script, module or executable to run on every rank")
     p.add_argument("user_args", nargs=argparse.REMAINDER, help="arguments passed on to the program")
     return p
@@ -230,7 +264,11 @@ def make_plan(argv: list[str]):
     if args.node_rank is not None and (args.launcher or args.force_multi):
         raise LaunchError("--node_rank starts one node's ranks here; it cannot be combined with --launcher/--force_multi")
     world = _resources(args)
-    multi = args.node_rank is None and (len(world) > 1 or args.force_multi)
+    multi = args.node_rank is None and (len(world) > 1 or args.force_multi or args.elastic_training)
+    if args.elastic_training or any(getattr(args, name) != default for _, name, default in ELASTIC_ONLY):
+        from ._elastic import check_args
+
+        check_args(args)
     if args.node_rank is not None and args.node_rank >= len(world):
         raise LaunchError(f"--node_rank {args.node_rank} is outside 0..{len(world) - 1} (the hosts: {', '.join(world)})")
     if not multi:
@@ -255,6 +293,28 @@ def make_plan(argv: list[str]):
                     deepspeed_alias=args.deepspeed_alias)
     launcher = (args.launcher or "ssh") if multi else None
     return args, spec, launcher
+
+
+def _run_elastic(args, spec: NodeSpec) -> int:
+    from ._elastic import allowed_sizes, config_path, options_from_args, run_elastic
+
+    options = options_from_args(args, spec.world)
+    path = config_path(spec.program.args)
+    batch, allowed = allowed_sizes(path)
+    if args.dry_run:
+        print(f"ds-launch dry run: elastic training over {', '.join(spec.world)}: nodes {options.min_nodes}.."
+              f"{options.max_nodes}, global batch {batch}, allowed world sizes {allowed}, at most "
+              f"{options.max_restarts} failure restart(s); each round starts the hosts that are up, as below for all")
+        _print_dry_run(spec, build_commands("ssh", spec, args.launcher_args, args.ssh_port))
+        return 0
+    check_backend("ssh", build_commands("ssh", spec, args.launcher_args, args.ssh_port)[0])
+    return run_elastic(spec, options, allowed, args.launcher_args, args.ssh_port, args.master_addr)
+
+
+# the elastic options and their defaults (given without --elastic_training they are an error)
+ELASTIC_ONLY = (("--min_elastic_nodes", "min_elastic_nodes", -1), ("--max_elastic_nodes", "max_elastic_nodes", -1),
+                ("--max_restarts", "max_restarts", None), ("--elastic_timeout", "elastic_timeout", None),
+                ("--monitor_interval", "monitor_interval", None))
 
 
 def _print_dry_run(spec: NodeSpec, commands: list[LaunchCommand] | None) -> None:
@@ -339,8 +399,32 @@ def _write_pid_file(path: str) -> str:
     return path
 
 
+def _run_autotuning(mode: str, argv: list[str], script: str) -> int:
+    """``--autotuning tune|run``: the same command line (without the flag) handed to ``ds-autotune``."""
+    rest = list(argv)
+    end = rest.index(script) if script in rest else len(rest)  # the launcher's options come before the script
+    for i, word in enumerate(rest[:end]):
+        if word == "--autotuning" or word.startswith("--autotuning="):
+            del rest[i:i + (1 if "=" in word else 2)]
+            break
+    command = shutil.which("ds-autotune")
+    if command is None:
+        raise LaunchError("--autotuning needs the ds-autotune command, which is not installed: "
+                          "pip install ds-autotune")
+    return subprocess.run([command, mode, *rest]).returncode
+
+
 def run(argv: list[str]) -> int:
     args, spec, launcher = make_plan(argv)
+    if args.autotuning:
+        return _run_autotuning(args.autotuning, argv, args.user_script)
+    if args.elastic_training:
+        pid_file = _write_pid_file(args.save_pid) if args.save_pid is not None and not args.dry_run else None
+        try:
+            return _run_elastic(args, spec)
+        finally:
+            if pid_file:
+                _remove(pid_file)
     commands = None
     if launcher:
         commands = build_commands(launcher, spec, args.launcher_args, args.ssh_port)

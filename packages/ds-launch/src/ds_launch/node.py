@@ -17,6 +17,8 @@ from .resources import LaunchError, local_accelerators
 from .spec import NodeSpec
 from .supervise import Supervisor, spawn
 
+PROBE_REPLY = "ds-launch node: ready"  # what --probe prints: the rendezvous admits a host that says it
+
 
 def run_node(spec: NodeSpec, watch_stdin: bool = False) -> int:
     """Start the ranks of ``spec.node_rank`` and wait for them; returns the launch's exit code."""
@@ -59,10 +61,17 @@ def _stop_on_eof() -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ds_launch.node",
                                      description="ds-launch's per-node agent (started by ds-launch).")
-    parser.add_argument("--spec", required=True, help="the launch, as encoded by ds-launch")
-    parser.add_argument("--node_rank", type=int, required=True)
+    parser.add_argument("--spec", help="the launch, as encoded by ds-launch")
+    parser.add_argument("--node_rank", type=int)
     parser.add_argument("--watch_stdin", action="store_true", help="stop every rank when stdin closes")
+    parser.add_argument("--probe", action="store_true",
+                        help="only say that this node can run an agent (an elastic launch's rendezvous asks)")
     args = parser.parse_args(argv)
+    if args.probe:
+        print(PROBE_REPLY, flush=True)
+        return 0
+    if args.spec is None or args.node_rank is None:
+        parser.error("--spec and --node_rank are required")
     try:
         return run_node(NodeSpec.decode(args.spec, args.node_rank), watch_stdin=args.watch_stdin)
     except LaunchError as e:

@@ -147,16 +147,33 @@ def _openmpi_defaults(extra: list[str], environ: dict[str, str]) -> list[str]:
     return out
 
 
-def build_commands(launcher: str, spec: NodeSpec, launcher_args: str = "", ssh_port: int | None = None,
-                   environ: dict[str, str] | None = None, cwd: str | None = None) -> list[LaunchCommand]:
-    """The local processes that start ``spec``'s world with ``launcher``."""
+def _split_launcher_args(launcher_args: str) -> list[str]:
     try:
-        extra = shlex.split(launcher_args)
+        return shlex.split(launcher_args)
     except ValueError as e:
         raise LaunchError(f"--launcher_args {launcher_args!r}: {e}") from None
+
+
+def ssh_probe_command(host: str, launcher_args: str = "", ssh_port: int | None = None,
+                      connect_timeout: float = 10) -> list[str]:
+    """The command that asks whether ``host`` is up through the ssh path a launch uses: the node
+    agent's ``--probe`` (the remote Python and ds_launch are there), ssh's connect time bounded
+    (the user's own ``-o ConnectTimeout`` in ``launcher_args`` comes first and wins)."""
+    port = ["-p", str(ssh_port)] if ssh_port else []
+    return ["ssh", "-o", "BatchMode=yes", *port, *_split_launcher_args(launcher_args),
+            "-o", f"ConnectTimeout={max(1, round(connect_timeout))}", "--", host,
+            remote_command([sys.executable, "-u", "-m", "ds_launch.node", "--probe"])]
+
+
+def build_commands(launcher: str, spec: NodeSpec, launcher_args: str = "", ssh_port: int | None = None,
+                   environ: dict[str, str] | None = None, cwd: str | None = None,
+                   extra_env: dict[str, str] | None = None) -> list[LaunchCommand]:
+    """The local processes that start ``spec``'s world with ``launcher``. ``extra_env``: variables
+    every rank gets on top of the forwarded environment (an elastic launch's restart count)."""
+    extra = _split_launcher_args(launcher_args)
     environ = dict(os.environ if environ is None else environ)
     cwd = os.path.abspath(cwd or os.getcwd())
-    env = remote_env(environ, cwd)
+    env = {**remote_env(environ, cwd), **(extra_env or {})}
     spec = dataclasses.replace(spec, cwd=cwd, env=env)
     payload = spec.encode()
     hosts = spec.hosts

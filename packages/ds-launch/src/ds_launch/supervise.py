@@ -141,6 +141,11 @@ class Supervisor:
             for s, handler in self._previous.items():
                 signal.signal(s, handler)
 
+    @property
+    def signal_received(self) -> int | None:
+        """The first stop signal that came while the block ran, or None."""
+        return self._signal
+
     def add(self, child: Child) -> None:
         self.children.append(child)
 
