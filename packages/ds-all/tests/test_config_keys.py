@@ -27,9 +27,6 @@ SEEDS = REPO.parent / "shared" / "seeds"
 # Keys of the reference that live inside a section ds-all does not implement (accepted while the section is off,
 # refused by the section's name when on), or are deprecated spellings mapped to their replacement.
 IN_UNBUILT_SECTIONS = {
-    "autotuning": ["enabled", "results_dir", "exps_dir", "overwrite", "metric", "start_profile_step",
-                   "end_profile_step", "fast", "max_train_batch_size", "mp_size", "num_tuning_micro_batch_sizes",
-                   "tuner_type", "tuner_early_stopping", "tuner_num_trials", "arg_mappings"],
     "comet": ["enabled", "samples_log_interval", "project", "workspace", "api_key", "experiment_name",
               "experiment_key", "online", "mode"],
     "amp": ["enabled", "opt_level"],
@@ -66,8 +63,8 @@ NO_OP = [
 ]
 # Refused by name when turned on: (value that turns it on, where it is refused).
 REFUSED = {
-    "tensor_parallel.autotp_size": (2, "config"), "tensor_parallel.tp.tp_size": (2, "config"),
-    "sequence_parallel_size": (2, "config"), "gradient_allreduce_op": ("sum", "config"),
+    "tensor_parallel.tp_overlap_comm": (True, "config"), "tensor_parallel.tp.tp_grain_size": (2, "config"),
+    "tensor_parallel.keep_module_on_host": (True, "config"), "gradient_allreduce_op": ("sum", "config"),
     "managed_gradient_accumulation": (False, "config"), "compile.deepcompile": (True, "config"),
     "zero_optimization.zero_hpz_partition_size": (2, "ds-zero"),
     "zero_optimization.zero_quantized_weights": (True, "ds-zero"),
@@ -256,7 +253,9 @@ def test_the_keys_deepspeeds_config_tests_expect_are_known():
         ("mean", 2, "bfloat16")
     assert config.pipeline.use_reentrant is False and config.zero_optimization.enable_sanity_checks is True
     for data, words in (({"zero_optimization": {"stage": 3, "zenflow": {"topk_ratio": 0.1}}}, None),
-                        ({"tensor_parallel": {"autotp_size": 2}}, "tensor parallelism (AutoTP) is not implemented"),
+                        ({"tensor_parallel": {"autotp_size": 2, "tp_overlap_comm": True}},
+                         "tensor_parallel.tp_overlap_comm True (an AutoTP option beyond slicing the linears) is not "
+                         "implemented"),
                         ({"gradient_allreduce_op": "sum", "zero_optimization": {"stage": 3}},
                          "'sum' is not supported with ZeRO stage 3"),
                         ({"bf16": {"enabled": True, "bf16_master_weights_and_grads": True}},

@@ -114,18 +114,18 @@ def test_offload_states_example_runs_with_deepspeeds_losses(tmp_path, dtype):
     assert (tmp_path / "offload_states.log").exists()
 
 
-# ----------------------------------------------------------------------- features ds does not implement yet
-def test_autotp_example_stops_naming_tensor_parallelism(tmp_path):
-    """training/tensor_parallel/basic_example/autotp_example.py (a tiny Llama, tp 2): DeepSpeed trains it
-    (losses in autotp_losses.json); ds stops at initialize on the config's tensor_parallel section, saying
-    tensor parallelism is not implemented."""
+# ---------------------------------------------------------------------------------- tensor parallelism (AutoTP)
+def test_autotp_example_trains_with_deepspeeds_losses(tmp_path):
+    """training/tensor_parallel/basic_example/autotp_example.py (a tiny Llama, tp 2, its own minimal mpu, ZeRO-2,
+    fp32): initialize slices the model with AutoTP over the mpu's tensor-parallel group (the config's
+    tensor_parallel.autotp_size) and the losses are DeepSpeed's (autotp_losses.json)."""
     pytest.importorskip("transformers")
-    result, losses = _launch(tmp_path, TRAINING / "tensor_parallel" / "basic_example" / "autotp_example.py",
-                             "--tp_size", "2", "--dp_size", "1", "--precision", "fp32", "--num_steps", "1",
-                             "--seq_length", "16")
-    output = result.stdout + result.stderr
-    assert result.returncode != 0 and losses is None, output[-4000:]
-    assert "tensor_parallel" in output and "not implemented" in output, output[-4000:]
+    expected = _expected(TRAINING / "tensor_parallel" / "basic_example" / "autotp_losses.json", "tp 2 dp 1 fp32")
+    got = _run_example(tmp_path, TRAINING / "tensor_parallel" / "basic_example" / "autotp_example.py",
+                       "--tp_size", "2", "--dp_size", "1", "--precision", "fp32", "--num_steps", "3",
+                       "--seq_length", "16")
+    torch.testing.assert_close(torch.tensor(got["rank0"]), torch.tensor(expected["rank0"]), rtol=0, atol=1e-5)
+    assert got["lr"] == expected["lr"]
 
 
 def test_variable_batch_example_trains_on_batches_packed_by_token_count(tmp_path):

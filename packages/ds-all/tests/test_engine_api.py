@@ -178,8 +178,10 @@ def getters_and_batch_sizes(rank, world_size, directory):
         engine.communication_data_type = torch.bfloat16
     engine.communication_data_type = torch.float32  # the same: nothing to change
     errors = {}
-    for call, args in (("compile", ()), ("tensor_parallel_config", ()),
-                       ("get_sequence_parallel_group", ()), ("autotuning_metric", ()), ("sparse_allreduce", ())):
+    assert engine.tensor_parallel_config() is engine.config.tensor_parallel  # AutoTP's section (test_tensor_parallel)
+    with pytest.raises(RuntimeError, match="no sequence parallelism"):  # sequence_parallel_size 1
+        engine.get_sequence_parallel_group()
+    for call, args in (("compile", ()), ("autotuning_metric", ()), ("sparse_allreduce", ())):
         with pytest.raises(NotImplementedError) as info:
             getattr(engine, call)(*args)
         errors[call] = str(info.value)

@@ -14,7 +14,9 @@ DeepSpeed's module tree is here, each module an alias of the part that owns it: 
 ``ops.lamb``, ...), ``ds_all.pipe`` (ds-pipe), ``ds_all.moe`` (ds-moe: ``deepspeed.moe.layer.MoE``),
 ``ds_all.accelerator`` (``get_accelerator()``), ``ds_all.elasticity`` (``compute_elastic_config``),
 ``ds_all.utils`` (``logger``, ``log_dist``, ``RepeatingLoader``),
-``ds_all.runtime.*`` (the ``deepspeed.runtime`` paths scripts import). A ``PipelineModule`` given to
+``ds_all.runtime.*`` (the ``deepspeed.runtime`` paths scripts import), ``ds_all.sequence`` (ds-parallel's Ulysses:
+``from ds_all.sequence.layer import DistributedAttention``), ``ds_all.tp_model_init`` (AutoTP, applied by
+``initialize``). A ``PipelineModule`` given to
 ``initialize`` makes a ``PipelineEngine``; ``ds_all.versions()`` gives every part's version.
 """
 
@@ -31,12 +33,14 @@ from . import (
     ops,
     pipe,
     runtime,
+    sequence,
     utils,
     zero,
 )
 from ._engine import DeepSpeedEngine
 from ._initialize import add_config_arguments, initialize
 from ._optimizers import build_optimizer
+from ._parallel import tp_model_init
 from ._parts import PARTS, versions
 from ._pipe_engine import PipelineEngine
 from ._scheduler_config import SchedulerConfig, build_scheduler
@@ -80,6 +84,8 @@ __all__ = [
     "ops",
     "pipe",
     "runtime",
+    "sequence",
+    "tp_model_init",
     "utils",
     "versions",
     "zero",

@@ -15,6 +15,11 @@ buffer by its global expert id (the engine's ``checkpoint_names``), so a checkpo
 ``ep_size``; the layers' layout is recorded in ``engine_meta.json`` (``moe``) and a change of ``ep_size``
 is logged at load.
 
+A model with tensor-parallel layers (ds-parallel's, or any parameter with Megatron's marks
+``tensor_model_parallel``/``partition_dim``) saves each slice as its part of the whole parameter
+(ds-zero's ``_checkpoint_tp``, given the mpu's tensor-parallel group), so a checkpoint saved at one
+tensor-parallel size loads at another, and into the unsplit model, weights and optimizer states alike.
+
 A tag directory DeepSpeed wrote (no ``engine_meta.json``, DeepSpeed's ``*model_states.pt``) loads through
 `_deepspeed_checkpoint`; with ``checkpoint.load_universal`` the default tag is what ``latest_universal`` names.
 """
@@ -72,6 +77,18 @@ def _check_tag(tag: Any) -> str:
     if not isinstance(tag, str) or not tag or tag in (".", "..") or "/" in tag or tag.startswith("."):
         raise ValueError(f"checkpoint tag must be a non-empty name without '/' that does not start with '.', got {tag!r}")
     return tag
+
+
+def tensor_parallel_group(mpu: Any) -> Any:
+    """The tensor-parallel group of an ``mpu`` (DeepSpeed's order of questions: Megatron's
+    ``get_tensor_model_parallel_group``, then the pipeline grid's ``get_slice_parallel_group``, then
+    ``get_model_parallel_group``); None without one."""
+    if mpu is None:
+        return None
+    for question in ("get_tensor_model_parallel_group", "get_slice_parallel_group", "get_model_parallel_group"):
+        if hasattr(mpu, question):
+            return getattr(mpu, question)()
+    return None
 
 
 def check_directory(path: Any, call: str, name: str) -> None:
@@ -167,7 +184,7 @@ def save_checkpoint(engine: DeepSpeedEngine, save_dir: Any, tag: str | None = No
     extra = {**_rng_states(), **{f"client/{k}": v for k, v in tensors.items()}}
     group = _writer_group(engine) if async_save else None
     written = save_zero_checkpoint(zero, partial, extra=extra, exclude_frozen_parameters=exclude_frozen_parameters,
-                                   async_group=group)
+                                   async_group=group, tensor_parallel_group=tensor_parallel_group(engine.mpu))
     meta = None
     if engine.global_rank == 0:  # what the run is at now (the write may finish steps later)
         meta = {"format": FORMAT, "tag": tag, "world_size": engine.world_size, "dp_world_size": engine.dp_world_size,
@@ -314,7 +331,8 @@ def load_checkpoint(engine: DeepSpeedEngine, load_dir: Any, tag: str | None = No
     optimizer_too = load_optimizer_states and not load_module_only
     if rank == 0:
         _log_moe_resharding(engine, meta.get("moe"), path)
-    load_zero_checkpoint(zero, path, load_optimizer=optimizer_too, extra=extra, strict=load_module_strict)
+    load_zero_checkpoint(zero, path, load_optimizer=optimizer_too, extra=extra, strict=load_module_strict,
+                         tensor_parallel_group=tensor_parallel_group(engine.mpu))
     if same_world:
         torch.set_rng_state(rng)
         if device_rng is not None:

@@ -27,7 +27,17 @@ import ds_comm
 from ds_profiler import FlopsProfiler
 from ds_zero import ZeroInference, ZeroOptimizer
 
-from . import _checkpoint, _client, _data, _data_efficiency, _data_sampling, _moe, checkpointing
+from . import (
+    _checkpoint,
+    _client,
+    _data,
+    _data_efficiency,
+    _data_sampling,
+    _moe,
+    _parallel,
+    checkpointing,
+)
+from ._autotuning import EngineProfiler
 from ._device import engine_device, place_model
 from ._engine_api import EngineAPI
 from ._optimizers import ONE_BIT, build_optimizer
@@ -106,8 +116,12 @@ class DeepSpeedEngine(EngineAPI, nn.Module):
                              f"DeepSpeed's 1-bit optimizers), got stage {config.zero_optimization.stage}: its 1-bit "
                              "messages replace the data-parallel all-reduce that stages 1-3 partition")
         _moe.configure(self)  # MoE layers: has_moe_layers, num_experts, ..., the expert groups
+        # sequence parallelism: ZeRO over data × sequence ranks; model parallelism: the norm over its ranks
+        parallel = _parallel.configure_engine(self)
+        zero_group = parallel.pop("group", self._dp_group)
+        reduce_in = parallel.pop("communication_data_type", config.communication_data_type)
         factory, groups = self._optimizer_factory(optimizer, model_parameters)
-        options = self._zero_options()
+        options = {**parallel, **self._zero_options()}
         if self.has_moe_layers and factory is not None:  # each expert group's parameters over its own ranks
             factory, groups = _moe.optimizer_groups(optimizer, factory, groups,
                                                     [p for p in model.parameters() if p.requires_grad], lr_scheduler)
@@ -116,14 +130,14 @@ class DeepSpeedEngine(EngineAPI, nn.Module):
             self.zero = self.optimizer = ZeroOptimizer(
                 model, factory, config=config.zero_optimization, fp16=config.fp16, bf16=config.bf16,
                 gradient_clipping=config.gradient_clipping,
-                communication_data_type=config.communication_data_type, group=self._dp_group,
+                communication_data_type=reduce_in, group=zero_group,
                 aio=config.aio, param_groups=groups, **options)
         # stage 3 without an optimizer (evaluation): the parameters partitioned, gathered around each module's
         # forward (DeepSpeed's DeepSpeedZeRoOffload); backward and step refuse (no optimizer)
         self._zero_inference: ZeroInference | None = None
         if factory is None and config.zero_optimization.stage == 3:
             self._zero_inference = ZeroInference(model, config=config.zero_optimization, fp16=config.fp16,
-                                                 bf16=config.bf16, group=self._dp_group)
+                                                 bf16=config.bf16, group=zero_group)
         try:  # what fails from here leaves no ZeRO hook on the caller's model
             self.lr_scheduler = self._scheduler(lr_scheduler)
             self.training_dataloader = self._training_loader(training_data, collate_fn) \
@@ -149,6 +163,7 @@ class DeepSpeedEngine(EngineAPI, nn.Module):
         self._step_applied = False
         if config.dump_state and self.global_rank == 0:
             logger.info("ds_all config:\n%s", config.model_dump_json(indent=2, exclude_defaults=True))
+        self._autotuning = EngineProfiler.attach(self)  # autotuning.enabled: profile, write the metric, exit
 
     # ------------------------------------------------------------------------------ construction
     def _training_loader(self, training_data: Any, collate_fn: Callable | None):
@@ -262,7 +277,7 @@ class DeepSpeedEngine(EngineAPI, nn.Module):
             self._profiling = True
         self.timers(FORWARD).start()
         try:
-            with self._autocast():
+            with self._autocast(), (self._autotuning.forward() if self._autotuning else contextlib.nullcontext()):
                 return self.module(*inputs, **kwargs)
         finally:
             self.timers(FORWARD).stop()
@@ -334,6 +349,8 @@ class DeepSpeedEngine(EngineAPI, nn.Module):
         if self.global_steps % self.config.steps_per_print == 0:
             with self.progress.writing():
                 self._print_progress(loss)
+        if self._autotuning is not None:
+            self._autotuning.at_boundary()
 
     def _print_progress(self, loss: float | None) -> None:
         elapsed = time.perf_counter() - self._interval_start
@@ -459,7 +476,10 @@ class DeepSpeedEngine(EngineAPI, nn.Module):
                            "gather them on rank 0 when saving)")
             return False
         partitioned = self.zero if self.zero is not None else self._zero_inference
-        if partitioned is not None:
+        sliced = _parallel.consolidated_state_dict(self)  # tensor parallelism: AutoTP's slices gathered
+        if sliced is not None:
+            state = sliced
+        elif partitioned is not None:
             state = partitioned.full_state_dict()
         else:
             state = {k: v.detach().to("cpu", copy=True) for k, v in self.module.state_dict().items()} \

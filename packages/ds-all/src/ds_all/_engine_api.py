@@ -56,7 +56,8 @@ class EngineAPI(EngineGetters):
         self.inside_no_sync_ctxt = False
         self.has_moe_layers, self.num_experts, self.moe_layers, self.gate_modules = False, [], [], []
         self.pipeline_parallelism = False
-        self.sequence_parallel_size, self.seq_dp_world_size = 1, self.dp_world_size
+        self.sequence_parallel_size, self.seq_dp_world_size = 1, self.dp_world_size  # `_parallel` sets them
+        self.seq_parallel_group, self.seq_data_parallel_group = None, self.data_parallel_group
         self.dist_backend = torch.distributed.get_backend() if ds_comm.is_initialized() else None
         self._boundary_override: bool | None = None  # set_gradient_accumulation_boundary's (no_sync restores it)
         self.warn_unscaled_loss = True
@@ -416,4 +417,8 @@ class EngineAPI(EngineGetters):
         return ask()
 
     def get_sequence_parallel_group(self) -> Any:
-        raise not_built("get_sequence_parallel_group", "sequence parallelism (Ulysses)")
+        """The sequence-parallel (Ulysses) group of this rank: DeepSpeed's ``seq_parallel_group``."""
+        if self.seq_parallel_group is None:
+            raise RuntimeError("engine.get_sequence_parallel_group: this engine has no sequence parallelism "
+                               "(sequence_parallel_size 1, and the mpu has no sequence-parallel group)")
+        return self.seq_parallel_group

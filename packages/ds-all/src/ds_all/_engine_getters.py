@@ -411,7 +411,8 @@ class EngineGetters:
         raise not_built("autotuning_metric", "autotuning")
 
     def tensor_parallel_config(self) -> Any:
-        raise not_built("tensor_parallel_config", "AutoTP (tensor parallelism)")
+        """The ``tensor_parallel`` section (`TensorParallelConfig`)."""
+        return self.config.tensor_parallel
 
     def autotp_size(self) -> int:
         return _setting(_setting(self.config, "tensor_parallel", None), "autotp_size", 0)

@@ -15,6 +15,7 @@ from torch import nn
 import ds_comm
 from ds_pipe import PipelineModule
 
+from . import _parallel
 from ._engine import DeepSpeedEngine
 from ._pipe_engine import PipelineEngine
 from .config import Config
@@ -81,7 +82,10 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     ``optimizer`` section; the schedule is ``lr_scheduler`` (an object, or a callable taking the
     optimizer), else the config's ``scheduler``. ``training_data``: a Dataset, loaded per
     data-parallel rank. The process group is created when none exists (ds-launch, torchrun, MPI or
-    SLURM tell the rank); ``mpu`` gives the data-parallel group.
+    SLURM tell the rank); ``mpu`` gives the data-parallel group (and the model- and sequence-parallel
+    ones: ZeRO's norm and reductions follow them, see ``_parallel``). ``tensor_parallel.autotp_size`` and
+    ``sequence_parallel_size`` in the config build such an mpu (ds-parallel's `ModelParallelUnit`) when none
+    is given, and AutoTP slices the model over its tensor-parallel group.
     """
     if not isinstance(model, nn.Module):
         raise ValueError(f"initialize: model must be a torch.nn.Module, got {type(model).__name__}")
@@ -99,9 +103,13 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
             raise ValueError("initialize: a PipelineModule brings its own topology (model.mpu()); do not pass mpu")
         mpu = model.mpu()  # the data-parallel group is the stage's replicas
     try:
+        loaded = _parallel.merge_recorded(Config.load(source), mpu)  # what ds_all.tp_model_init recorded
+        # tensor_parallel.autotp_size / sequence_parallel_size: ds-parallel's mpu (unless one is given)
+        mpu = _parallel.build_mpu(loaded, mpu, pipeline=pipeline)
         dp_world_size = ds_comm.get_world_size(mpu.get_data_parallel_group() if mpu is not None else None)
-        resolved = Config.load(source).resolve(dp_world_size=dp_world_size)
+        resolved = loaded.resolve(dp_world_size=dp_world_size)
         _check_parallel_sizes(resolved, dp_world_size)
+        _parallel.apply_autotp(model, resolved, mpu)  # the model sliced over the tensor-parallel group
         if resolved.seed is not None:
             random.seed(resolved.seed)
             torch.manual_seed(resolved.seed)

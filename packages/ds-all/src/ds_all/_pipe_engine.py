@@ -87,7 +87,9 @@ class PipelineEngine(DeepSpeedEngine):
             self.executor = PipelineExecutor(model, None, micro_batches=config.gradient_accumulation_steps,
                                              schedule=config.pipeline.schedule, reduce_grads=self._reduce,
                                              optimizer_step=self._optimizer_step, backward=self._backward,
-                                             reduce_bucket_size=int(config.zero_optimization.reduce_bucket_size))
+                                             reduce_bucket_size=int(config.zero_optimization.reduce_bucket_size),
+                                             pipe_partitioned=config.pipeline.pipe_partitioned,
+                                             grad_partitioned=config.pipeline.grad_partitioned)
         except BaseException:  # nothing of ZeRO is left on the caller's model
             self.zero.close()
             raise
@@ -105,10 +107,16 @@ class PipelineEngine(DeepSpeedEngine):
         # the executor accumulates the micro-batches (some weight gradients arrive outside autograd:
         # zero-bubble), then asks ZeRO to reduce once, after the tied gradients are summed
         # and a tied module's untied parameters get names of their own stage in checkpoints
-        # the gradient norm clipped is the whole model's: every stage's gradients count
+        # the gradient norm clipped is the whole model's: every stage's and every tensor slice's gradients
+        # count (the replica's group, DeepSpeed's model-parallel group of a pipeline), a parameter replicated
+        # over the tensor slices on slice 0 only
+        grid = self.mpu
+        tensor_parallel = grid.get_model_parallel_world_size() > 1
         return {"gradient_accumulation_steps": 1, "reduce_in_backward": False,
                 "checkpoint_names": self._checkpoint_names,
-                "model_parallel_group": self.mpu.get_pipe_parallel_group()}
+                "model_parallel_group": grid.get_pipe_model_parallel_group() if tensor_parallel
+                else grid.get_pipe_parallel_group(),
+                "tensor_parallel_rank": grid.get_model_parallel_rank() if tensor_parallel else 0}
 
     # -- the executor's hooks ---------------------------------------------------------------------
     def _backward(self, tensors: list[torch.Tensor], grads: list) -> None:

@@ -57,7 +57,9 @@ class TPConfig(Section):
 
 
 class TensorParallelConfig(Section):
-    """``tensor_parallel``: DeepSpeed's AutoTP training (not built in ds-all yet: a size above 1 is refused)."""
+    """``tensor_parallel``: DeepSpeed's AutoTP training: ``autotp_size`` (or ``tp.tp_size``) above 1 makes
+    `initialize` build the tensor-parallel groups and slice the model with ds-parallel's ``tp_model_init``.
+    The keys that tune what ds-parallel does not build are refused when on (`refusal`)."""
 
     section = "tensor_parallel"
 
@@ -81,10 +83,20 @@ class TensorParallelConfig(Section):
         return value
 
     def refusal(self) -> str | None:
-        size = max(self.autotp_size, self.tensor_parallel.tp_size)
-        if size > 1:
-            key = "autotp_size" if self.autotp_size > 1 else "tp.tp_size"
-            return f"tensor_parallel.{key} {size}: tensor parallelism (AutoTP)"
+        """What the section asks for that is not built (None: nothing): AutoTP's options beyond slicing the
+        attention and MLP linears over ``autotp_size`` ranks."""
+        options = (("tp_overlap_comm", self.tp_overlap_comm, (False,)),
+                   ("vocab_parallel_lm_head", self.vocab_parallel_lm_head, (None, False)),
+                   ("vocab_parallel_ce_backend", self.vocab_parallel_ce_backend, ("torch",)),
+                   ("tp.tp_grain_size", self.tensor_parallel.tp_grain_size, (1,)),
+                   ("injection_policy_tuple", self.injection_policy_tuple, (None,)),
+                   ("partition_config", self.partition_config, (None,)),
+                   ("preset_model", self.preset_model, (None,)),
+                   ("keep_module_on_host", self.keep_module_on_host, (False,)),
+                   ("replace_with_kernel_inject", self.replace_with_kernel_inject, (False,)))
+        for key, value, off in options:
+            if value not in off:
+                return f"tensor_parallel.{key} {value!r} (an AutoTP option beyond slicing the linears)"
         return None
 
 

@@ -31,6 +31,7 @@ from ds_pipe import PipelineConfig
 from ds_profiler import FlopsProfilerConfig
 from ds_zero import BF16Config, FP16Config, ZeroConfig
 
+from ._autotuning import AutotuningConfig
 from ._elasticity import ElasticityConfig, elastic_batch_triad
 from ._monitor_config import (
     ActivationCheckpointingConfig,
@@ -48,10 +49,10 @@ Auto = Literal["auto"]
 Batch = Annotated[int, Field(gt=0)] | Auto | None
 
 # DeepSpeed features ds-all does not implement: accepted while off, refused by name when on.
-NOT_IMPLEMENTED = ("amp", "autotuning", "eigenvalue", "hybrid_engine", "nebula", "comet", "quantize_training", "weight_quantization",
+NOT_IMPLEMENTED = ("amp", "eigenvalue", "hybrid_engine", "nebula", "comet", "quantize_training", "weight_quantization",
                    "graph_harvesting", "memory_breakdown", "sparse_gradients", "load_universal_checkpoint",
                    "use_node_local_storage", "zero_quantized_weights", "zero_quantized_gradients",
-                   "seq_parallel_communication_data_type", "timers", "disable_allgather", "expert_parallel",
+                   "timers", "disable_allgather", "expert_parallel",
                    "datastates_ckpt")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
@@ -125,17 +126,21 @@ class Config(Section):
                                   "debug, info, warning, error or critical.")
     data_parallel_size: int | None = Field(None, ge=1, description="Data-parallel ranks (with "
                                            "sequence_parallel_size: their product is the world size).")
-    sequence_parallel_size: int | None = Field(None, ge=1, description="Sequence-parallel ranks (above 1: "
-                                               "refused, Ulysses is not built).")
+    sequence_parallel_size: int | None = Field(None, ge=1, description="Sequence-parallel ranks (Ulysses: "
+                                               "initialize builds the sequence and sequence × data groups).")
+    seq_parallel_communication_data_type: Literal["fp32", "fp16", "bf16"] = Field(
+        "fp32", description="With sequence_parallel_size above 1: the dtype ZeRO reduces gradients in (DeepSpeed's).")
     use_data_before_expert_parallelism: bool = Field(False, description="The order of the data- and "
                                                      "expert-parallel groups (MoE).")
     torch_autocast: TorchAutocastConfig = Field(default_factory=TorchAutocastConfig, description="The forward "
                                                 "under torch.autocast.")
     tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig, description="AutoTP "
-                                                  "(refused above size 1).")
+                                                  "(initialize slices the model with ds-parallel).")
     compile: CompileConfig = Field(default_factory=CompileConfig, description="DeepCompile (refused when on).")
     elasticity: ElasticityConfig = Field(default_factory=ElasticityConfig, description="Elastic training: when "
                                          "enabled, Config.resolve takes the batch triad from it.")
+    autotuning: AutotuningConfig = Field(default_factory=AutotuningConfig, description="An autotuning "
+                                         "experiment (ds-autotune): when enabled the engine profiles and exits.")
 
     @field_validator("steps_per_print", mode="before")
     @classmethod
@@ -206,9 +211,6 @@ class Config(Section):
             what = section.refusal()
             if what is not None:
                 refuse(what, "remove the key or turn it off")
-        if (self.sequence_parallel_size or 1) > 1:
-            refuse(f"sequence_parallel_size {self.sequence_parallel_size}: sequence parallelism (Ulysses)",
-                   "remove the key or set it to 1")
         if self.gradient_allreduce_op == "sum":
             if self.zero_optimization.stage == 3:  # DeepSpeed's own refusal
                 raise ValueError("gradient_allreduce_op 'sum' is not supported with ZeRO stage 3 (as in DeepSpeed)")

@@ -31,6 +31,7 @@ from . import schedule as S
 from ._device import backend_of, module_device, wire_device
 from ._module import PipelineModule
 from ._p2p import ACTIVATION, GRAD, Channel, PeerFailed
+from ._partition import join_first, split_first
 from ._zero_bubble import DeferredLinearGrads
 
 logger = logging.getLogger(__name__)
@@ -62,13 +63,20 @@ class PipelineExecutor:
     ``"1f1b"``, ``"interleaved"`` (the module built with ``virtual_stages`` > 1) or ``"zero_bubble"``.
     ``data_iter`` yields ``(inputs, labels)`` per micro-batch; the first stage reads the inputs, the last
     the labels, the others nothing.
+
+    With tensor-parallel stages (a topology with a ``model`` axis of size ``tp`` > 1) the activations and
+    gradients sent between stages are the same whole tensors on every tensor-parallel rank; with
+    ``pipe_partitioned`` (``grad_partitioned``) each rank sends its ``1 / tp`` part of a message's first
+    activation (gradient) and the receiving stage all-gathers the parts over its tensor-parallel group
+    (DeepSpeed's keys and defaults, `_partition`); without them every rank sends the whole tensor.
     """
 
     def __init__(self, module: PipelineModule, optimizer: torch.optim.Optimizer | None = None, *,
                  micro_batches: int, schedule: str = "1f1b",
                  reduce_grads: Callable[[PipelineExecutor], None] | None = None,
                  optimizer_step: Callable[[PipelineExecutor], None] | None = None,
-                 backward: Callable | None = None, reduce_bucket_size: int = 500_000_000):
+                 backward: Callable | None = None, reduce_bucket_size: int = 500_000_000,
+                 pipe_partitioned: bool = True, grad_partitioned: bool = True):
         if not isinstance(module, PipelineModule):
             raise ValueError(f"PipelineExecutor: module must be a PipelineModule, got {type(module).__name__}")
         if not isinstance(micro_batches, int) or micro_batches < 1:
@@ -87,6 +95,13 @@ class PipelineExecutor:
         self.grid = module.mpu()
         self.stage_id, self.stages, self.chunks = module.stage_id, module.num_stages, module.virtual_stages
         self.reduce_bucket_size = reduce_bucket_size
+        for name, value in (("pipe_partitioned", pipe_partitioned), ("grad_partitioned", grad_partitioned)):
+            if not isinstance(value, bool):
+                raise ValueError(f"PipelineExecutor: {name} must be True or False, got {value!r}")
+        self.tp_group = self.grid.get_model_parallel_group()
+        self.tp_size, self.tp_rank = self.grid.get_model_parallel_world_size(), self.grid.get_model_parallel_rank()
+        self.pipe_partitioned = pipe_partitioned and self.tp_size > 1
+        self.grad_partitioned = grad_partitioned and self.tp_size > 1
         self._reduce_grads = reduce_grads or PipelineExecutor.allreduce_gradients
         self._optimizer_step = optimizer_step or PipelineExecutor.default_optimizer_step
         self._backward = backward or (lambda tensors, grads: torch.autograd.backward(tensors, grads))
@@ -275,8 +290,10 @@ class PipelineExecutor:
 
     def _exec_RecvActivation(self, ins) -> None:
         v = self._virtual(ins.chunk)
-        self._inputs[(ins.micro_batch, ins.chunk)] = self.channel.recv(self._rank_of_virtual(v - 1), ACTIVATION,
-                                                                       ins.micro_batch, v)
+        received = self.channel.recv(self._rank_of_virtual(v - 1), ACTIVATION, ins.micro_batch, v)
+        if self.pipe_partitioned:
+            received = join_first(received, self.tp_group, self.tp_size)
+        self._inputs[(ins.micro_batch, ins.chunk)] = received
 
     def _exec_ForwardPass(self, ins) -> None:
         key = (ins.micro_batch, ins.chunk)
@@ -311,12 +328,17 @@ class PipelineExecutor:
         key = (ins.micro_batch, ins.chunk)
         outputs = self._outputs[key] if self._train else self._outputs.pop(key)
         v = self._virtual(ins.chunk)
+        if self.pipe_partitioned:
+            outputs = split_first(outputs, self.tp_rank, self.tp_size)
         self.channel.send(self._rank_of_virtual(v + 1), ACTIVATION, ins.micro_batch, v + 1, outputs)
 
     def _exec_RecvGrad(self, ins) -> None:
         v = self._virtual(ins.chunk)
-        self._grads[(ins.micro_batch, ins.chunk)] = self.channel.recv(self._rank_of_virtual(v + 1), GRAD,
-                                                                      ins.micro_batch, v + 1)
+        key = (ins.micro_batch, ins.chunk)
+        received = self.channel.recv(self._rank_of_virtual(v + 1), GRAD, ins.micro_batch, v + 1)
+        if self.grad_partitioned and self._outputs[key][0].requires_grad:  # the first gradient is the first output's
+            received = join_first(received, self.tp_group, self.tp_size)
+        self._grads[key] = received
 
     def _backward_through(self, key) -> None:
         outputs = self._outputs.pop(key)
@@ -333,8 +355,8 @@ class PipelineExecutor:
         inputs = self._inputs.pop(key)
         if self.is_first_virtual(key[1]):
             return
-        self._input_grads[key] = tuple(t.grad if t.grad is not None else torch.zeros_like(t)
-                                       for t in inputs if t.requires_grad)
+        self._input_grads[key] = (tuple(t.grad if t.grad is not None else torch.zeros_like(t)
+                                        for t in inputs if t.requires_grad), inputs[0].requires_grad)
 
     def _exec_BackwardPass(self, ins) -> None:
         key = (ins.micro_batch, ins.chunk)
@@ -350,7 +372,10 @@ class PipelineExecutor:
     def _exec_SendGrad(self, ins) -> None:
         key = (ins.micro_batch, ins.chunk)
         v = self._virtual(ins.chunk)
-        self.channel.send(self._rank_of_virtual(v - 1), GRAD, ins.micro_batch, v, self._input_grads.pop(key))
+        grads, first_has_grad = self._input_grads.pop(key)
+        if self.grad_partitioned and first_has_grad:
+            grads = split_first(grads, self.tp_rank, self.tp_size)
+        self.channel.send(self._rank_of_virtual(v - 1), GRAD, ins.micro_batch, v, grads)
 
     # -- the default hooks ----------------------------------------------------------------------
     def parameters(self) -> list[torch.nn.Parameter]:

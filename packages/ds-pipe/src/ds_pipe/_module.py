@@ -26,6 +26,7 @@ from torch import nn
 import ds_comm
 
 from ._device import stage_device
+from ._grid import PipelineParallelGrid
 
 logger = logging.getLogger(__name__)
 
@@ -172,7 +173,7 @@ class PipelineModule(nn.Module):
         self.checkpointable_layers = checkpointable_layers
         self.dynamic_shape = bool(dynamic_shape)  # activations may change shape between micro-batches
         self._topology = topology
-        self._grid = ds_comm.Grid(topology)
+        self._grid = PipelineParallelGrid(topology)
         self.stage_id = self._grid.get_stage_id()
         self._layer_specs = layers
         self.parts = self._partition(layers, partition_method)
@@ -355,7 +356,9 @@ class PipelineModule(nn.Module):
     def topology(self):
         return self._topology
 
-    def mpu(self):
+    def mpu(self) -> PipelineParallelGrid:
+        """The topology's groups and DeepSpeed's mpu questions (`PipelineParallelGrid`): what ds-all's
+        engine takes as its mpu."""
         return self._grid
 
     def num_pipeline_stages(self) -> int:

@@ -22,9 +22,10 @@ class PipelineConfig(Section):
     seed_layers: bool = Field(False, description="Seed each layer's initialisation with base_seed + its index.")
     activation_checkpoint_interval: int = Field(0, ge=0, description="Checkpoint activations every this many "
                                                 "layers (0: off).")
-    pipe_partitioned: bool = Field(True, description="Split activations sent between stages across "
-                                   "tensor-parallel ranks (no effect without tensor parallelism).")
-    grad_partitioned: bool = Field(True, description="Split gradients sent between stages likewise.")
+    pipe_partitioned: bool = Field(True, description="With tensor-parallel stages: each tensor-parallel rank "
+                                   "sends its 1/tp part of the activation between stages, the next stage "
+                                   "all-gathers it (no effect without tensor parallelism).")
+    grad_partitioned: bool = Field(True, description="Split the gradients sent back between stages likewise.")
     schedule: Literal["1f1b", "interleaved", "zero_bubble"] = Field(
         "1f1b", description="ds: the training schedule: 1f1b (DeepSpeed's), interleaved (virtual_stages chunks "
         "per rank), zero_bubble (ZB-H1: weight gradients fill the bubble).")

@@ -20,6 +20,11 @@ experts) are the same case within one group: each is written by the ranks of the
 lowest world rank that holds it (as the pieces they hold), under its checkpoint name (the caller maps
 local expert names to global ones with ``checkpoint_names``), and loads into any other grouping.
 
+A parameter sliced over a tensor-parallel group (Megatron's ``tensor_model_parallel``/``partition_dim``
+marks, given the group: ``tensor_parallel_group``) is saved as the whole parameter, each slice's pieces as
+the runs of the whole they cover (`_checkpoint_tp`), so a checkpoint loads at any other tensor-parallel
+size, the unsplit model's included, and ``zero_meta.json`` records whole shapes.
+
 ZeRO's shards end at bucket boundaries, not at even splits of each parameter, so they cannot be
 DTensor ``Shard(0)`` placements; they are `ShardedTensor`s (DCP's type for arbitrary shards) built
 from metadata every rank computes alone, with no collective.
@@ -39,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed.checkpoint as dcp
 
+from ._checkpoint_tp import Slice, checkpoint_slices, sharded_slice
 from ._model import param_name
 from ._nvme import STATES
 from ._nvme_checkpoint import NvmeEntries
@@ -102,32 +108,39 @@ class _Parts:
     not_mine: set[str]  # parameters this group holds but another (of a lower rank) writes
 
 
-def _parts(zero: ZeroOptimizer, exclude_frozen: bool = False) -> _Parts | None:
+def _shapes(zero: ZeroOptimizer, tp: dict[int, Slice]) -> list[list[int]]:
+    """The parameters' shapes in checkpoints: a tensor-parallel slice's is the whole parameter's."""
+    return [list(tp[i].full_shape) if i in tp else list(s.shape) for i, s in enumerate(zero.layout.slots)]
+
+
+def _parts(zero: ZeroOptimizer, exclude_frozen: bool = False, tp: dict[int, Slice] | None = None) -> _Parts | None:
     """None when ``zero``'s group is the whole world and holds no parameters replicated over subgroups;
     else every rank's parameters (a collective of the world: every rank calls it). A parameter is written
     by the ranks holding it together with the lowest world rank holding it (its ZeRO group, or its
-    subgroup)."""
+    subgroup); a tensor-parallel slice (``tp``) by the lowest holding that slice, so every slice is written."""
     world = torch.distributed.get_world_size()
+    tp = tp or {}
     if zero.world_size == world and not zero._replica_groups:
         return None
     names = _names(zero)
-    mine = (_world_rank(zero, zero.rank), names, [list(s.shape) for s in zero.layout.slots],
-            sorted(_other_entries(zero, values=False)), _frozen_names(zero))
+    keys = [tp[i].rank if i in tp else -1 for i in range(len(names))]
+    mine = (_world_rank(zero, zero.rank), names, _shapes(zero, tp), sorted(_other_entries(zero, values=False)),
+            _frozen_names(zero), keys)
     gathered: list[Any] = [None] * world
     torch.distributed.all_gather_object(gathered, mine)
-    writer: dict[str, int] = {}
+    writer: dict[tuple[str, int], int] = {}
     shapes: dict[str, list[int]] = {}
     others: set[str] = set()
     every_frozen: list[str] = []
-    for rank, rank_names, rank_shapes, rank_others, frozen in sorted(gathered, key=lambda g: g[0]):
-        for name, shape in zip(rank_names, rank_shapes, strict=True):
-            writer.setdefault(name, rank)  # the lowest world rank holding it
+    for rank, rank_names, rank_shapes, rank_others, frozen, rank_keys in sorted(gathered, key=lambda g: g[0]):
+        for name, shape, key in zip(rank_names, rank_shapes, rank_keys, strict=True):
+            writer.setdefault((name, key), rank)  # the lowest world rank holding it (that slice of it)
             shapes.setdefault(name, shape)
         others.update(rank_others)
         every_frozen += [n for n in frozen if n not in every_frozen]
     holders = [{_world_rank(zero, r) for r in zero.layout.buckets[slot.bucket].ranks} for slot in zero.layout.slots]
-    return _Parts(list(writer), shapes, others, every_frozen if exclude_frozen else [], every_frozen,
-                  {n for n, held in zip(names, holders, strict=True) if writer[n] not in held})
+    return _Parts(list(shapes), shapes, others, every_frozen if exclude_frozen else [], every_frozen,
+                  {n for n, key, held in zip(names, keys, holders, strict=True) if writer[(n, key)] not in held})
 
 
 def _pieces_by_param(zero: ZeroOptimizer) -> dict[int, list[tuple[int, int, int]]]:
@@ -200,12 +213,14 @@ def _on_host(t: torch.Tensor, back: list[tuple[torch.Tensor, torch.Tensor]] | No
 
 def _piece_entries(zero: ZeroOptimizer, sized: list[str], skip: set[str] = frozenset(),
                    copy: bool = False, lazy: NvmeEntries | None = None,
-                   back: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> dict[str, ShardedTensor]:
+                   back: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+                   tp: dict[int, Slice] | None = None) -> dict[str, ShardedTensor]:
     """``master/<name>`` and ``optim/<key>/<name>`` for every parameter but ``skip``: ShardedTensors whose
     local shard is a view of this rank's piece (nothing, where it holds none; ``copy``: a copy of it;
     a host copy of a piece on a device, listed in ``back`` for a load). DCP reads them to save and
     writes into them to load. ``lazy`` (ZeRO-Infinity): the pieces on NVMe are placeholders,
-    registered there for its planners to move."""
+    registered there for its planners to move. ``tp``: the tensor-parallel slices, each described
+    as runs of its whole parameter (`_checkpoint_tp`)."""
     def view(t: torch.Tensor) -> torch.Tensor:
         if t.device.type != "cpu":
             return _on_host(t, back)
@@ -236,6 +251,12 @@ def _piece_entries(zero: ZeroOptimizer, sized: list[str], skip: set[str] = froze
             continue
         numel, ranges = zero.layout.slots[index].numel, by_param[index]
         start, n, weights, states, on_disk = views.get(index, (0, 0, None, {}, {}))
+        if tp and index in tp:
+            world = torch.distributed.get_world_size()
+            out[f"master/{name}"] = sharded_slice(weights, start, tp[index], _master_dtype(zero), rank, world)
+            for key in sized:
+                out[f"optim/{key}/{name}"] = sharded_slice(states.get(key), start, tp[index], dtypes[key], rank, world)
+            continue
         out[f"master/{name}"] = _sharded(weights, start, ranges, numel, _master_dtype(zero), rank)
         for key in sized:
             out[f"optim/{key}/{name}"] = _sharded(states.get(key), start, ranges, numel, dtypes[key], rank)
@@ -275,16 +296,19 @@ def _nvme_entries(zero: ZeroOptimizer) -> NvmeEntries | None:
 
 
 def zero_state(zero: ZeroOptimizer, exclude_frozen_parameters: bool = False,
-               parts: _Parts | None = None, copy: bool = False, lazy: NvmeEntries | None = None) -> dict[str, Any]:
+               parts: _Parts | None = None, copy: bool = False, lazy: NvmeEntries | None = None,
+               tp: dict[int, Slice] | None = None) -> dict[str, Any]:
     """This rank's part of the checkpoint as a DCP state dict (see the module docstring); ``parts``:
     what every group holds, when ``zero``'s group is not the whole world (`_parts`); ``copy``: copies
     that training cannot change (what an asynchronous save writes), not views; ``lazy``: ZeRO-Infinity's
-    entries (`_nvme_entries`), whose planner reads their bytes from disk (no ``copy`` then)."""
+    entries (`_nvme_entries`), whose planner reads their bytes from disk (no ``copy`` then); ``tp``: the
+    tensor-parallel slices (`checkpoint_slices`)."""
     if zero._nvme is not None and (lazy is None or copy):
         raise ValueError("zero_state: ZeRO-Infinity's states are read from disk as they are written: pass "
                          "lazy=_nvme_entries(zero) and its save_planner() to dcp.save, and no copy")
     sized, scalars = _tensor_states(zero)
-    out: dict[str, Any] = _piece_entries(zero, sized, parts.not_mine if parts is not None else set(), copy, lazy)
+    out: dict[str, Any] = _piece_entries(zero, sized, parts.not_mine if parts is not None else set(), copy, lazy,
+                                         tp=tp)
     first = zero.optimizer.state[zero._step_params[0]] if scalars else {}
     for key in scalars:
         value = first[key]
@@ -297,12 +321,12 @@ def zero_state(zero: ZeroOptimizer, exclude_frozen_parameters: bool = False,
 
 
 def zero_metadata(zero: ZeroOptimizer, exclude_frozen_parameters: bool = False,
-                  parts: _Parts | None = None) -> dict[str, Any]:
+                  parts: _Parts | None = None, tp: dict[int, Slice] | None = None) -> dict[str, Any]:
     """The plain-data part: what loading needs to check and restore besides tensors (with ``parts``: every
-    group's parameters)."""
+    group's parameters; a tensor-parallel slice's shape is its whole parameter's)."""
     groups = [{k: v for k, v in g.items() if k != "params"} for g in zero.optimizer.param_groups]
     if parts is None:
-        names, shapes = _names(zero), [list(s.shape) for s in zero.layout.slots]
+        names, shapes = _names(zero), _shapes(zero, tp or {})
         frozen = _frozen_names(zero)
         excluded = frozen if exclude_frozen_parameters else []
     else:
@@ -334,13 +358,14 @@ def _listing(kind: str, names: list[str]) -> list[str]:
 
 
 def check_compatible(zero: ZeroOptimizer, meta: dict[str, Any], where: str, strict: bool = True,
-                     parts: _Parts | None = None) -> None:
+                     parts: _Parts | None = None, tp: dict[int, Slice] | None = None) -> None:
     """The model of ``meta`` (a saved `zero_metadata`) must be ``zero``'s (with ``parts``: every group's
     together): same parameter names and shapes (``strict=False``: parameters on one side only are
-    allowed; shapes must still agree); any world size and stage are fine."""
+    allowed; shapes must still agree; a tensor-parallel slice's shape is its whole parameter's); any
+    world size, stage and tensor-parallel size are fine."""
     if meta.get("format") != FORMAT:
         raise ValueError(f"{where}: checkpoint format {meta.get('format')!r}, this ds-zero reads {FORMAT}")
-    names, shapes = _names(zero), [list(s.shape) for s in zero.layout.slots]
+    names, shapes = _names(zero), _shapes(zero, tp or {})
     everyone = set(parts.names) if parts is not None else set(names)
     saved = dict(zip(meta["names"], meta["shapes"], strict=True))
     missing = [n for n in names if n not in saved] if strict else []
@@ -394,14 +419,18 @@ def _reader(checkpoint_id: Any) -> dcp.StorageReader:
 
 
 def load_zero_state(zero: ZeroOptimizer, checkpoint_id: Any, meta: dict[str, Any], *, load_optimizer: bool = True,
-                    extra: dict[str, Any] | None = None, strict: bool = True) -> None:
+                    extra: dict[str, Any] | None = None, strict: bool = True,
+                    tensor_parallel_group: Any = None) -> None:
     """Load a checkpoint written by `zero_state` from any world size and stage into ``zero``, in place
     (every rank calls it; DCP reads only the ranges this rank holds). ``strict=False``: parameters,
     buffers and frozen parameters on one side only are skipped (the model keeps its own values, and a
-    parameter the checkpoint lacks starts with fresh optimizer states)."""
-    parts = _parts(zero)
+    parameter the checkpoint lacks starts with fresh optimizer states). ``tensor_parallel_group``: the
+    group over which the parameters marked ``tensor_model_parallel`` are sliced (each rank reads its
+    slice of the whole, whatever tensor-parallel size saved it)."""
     lazy = _nvme_entries(zero)  # ZeRO-Infinity: the ranges read go to disk through its planner
-    check_compatible(zero, meta, "ZeroOptimizer.load", strict, parts)
+    tp = checkpoint_slices(zero, tensor_parallel_group, lazy is not None)
+    parts = _parts(zero, tp=tp)
+    check_compatible(zero, meta, "ZeroOptimizer.load", strict, parts, tp)
     saved_metadata = _reader(checkpoint_id).read_metadata().state_dict_metadata
     saved_keys = set(saved_metadata)
     sized = sorted({k.split("/")[1] for k in saved_keys if k.startswith("optim/")}) if load_optimizer else []
@@ -423,8 +452,13 @@ def load_zero_state(zero: ZeroOptimizer, checkpoint_id: Any, meta: dict[str, Any
             for key in sized:
                 state = zero.optimizer.state[zero._step_params[run]]
                 wanted[f"optim/{key}/{name}"] = state[key][at:at + slot.numel]
+        world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+        for index, name in enumerate(_names(zero)):  # a tensor-parallel slice: its runs of the whole
+            for key in (f"master/{name}", *(f"optim/{s}/{name}" for s in sized)) if index in tp else ():
+                local = _on_host(wanted[key], back)
+                wanted[key] = sharded_slice(local, 0, tp[index], local.dtype, rank, world)
     else:
-        wanted.update(_piece_entries(zero, sized, lazy=lazy, back=back))
+        wanted.update(_piece_entries(zero, sized, lazy=lazy, back=back, tp=tp))
     wanted = {key: value for key, value in wanted.items() if key in saved_keys}  # strict: every one of them
     scalar_values = {key: torch.zeros((), device="cpu") for key in scalars}
     wanted.update({f"optim_scalar/{key}": value for key, value in scalar_values.items()})
@@ -467,7 +501,8 @@ META_FILE = "zero_meta.json"
 
 
 def save_zero_checkpoint(zero: ZeroOptimizer, path: Any, *, extra: dict[str, Any] | None = None,
-                         exclude_frozen_parameters: bool = False, async_group: Any = None) -> Future | None:
+                         exclude_frozen_parameters: bool = False, async_group: Any = None,
+                         tensor_parallel_group: Any = None) -> Future | None:
     """Write ``zero``'s sharded checkpoint into the directory ``path`` (every rank calls it): DCP's files
     and rank 0's ``zero_meta.json``. ``extra``: more DCP entries of this rank (the engine's).
     ``exclude_frozen_parameters``: leave out the parameters with ``requires_grad=False`` (a frozen
@@ -478,12 +513,15 @@ def save_zero_checkpoint(zero: ZeroOptimizer, path: Any, *, extra: dict[str, Any
     thread only, e.g. ``torch.distributed.new_group(backend="gloo")``) keeps the background's
     collectives apart from training's. With ZeRO-Infinity (``offload_optimizer.device: nvme``) the
     save is synchronous (its states are read from disk piece by piece as they are written; a copy
-    would need them in RAM) and the returned `Future` is done."""
+    would need them in RAM) and the returned `Future` is done. ``tensor_parallel_group``: the group over
+    which the parameters marked ``tensor_model_parallel`` are sliced; each slice is saved as its part of
+    the whole parameter, so the checkpoint loads at any tensor-parallel size (`_checkpoint_tp`)."""
     import json
     import os
 
-    parts = _parts(zero, exclude_frozen_parameters)
     lazy = _nvme_entries(zero)
+    tp = checkpoint_slices(zero, tensor_parallel_group, lazy is not None)
+    parts = _parts(zero, exclude_frozen_parameters, tp)
     if lazy is not None and async_group is not None:  # its states on disk would change under a background write
         logger.info("save_zero_checkpoint: ZeRO-Infinity's states are read from NVMe as they are written; this "
                     "save is synchronous")
@@ -491,7 +529,7 @@ def save_zero_checkpoint(zero: ZeroOptimizer, path: Any, *, extra: dict[str, Any
         done: Future | None = Future()
     else:
         done = None
-    state = zero_state(zero, exclude_frozen_parameters, parts, copy=async_group is not None, lazy=lazy)
+    state = zero_state(zero, exclude_frozen_parameters, parts, copy=async_group is not None, lazy=lazy, tp=tp)
     if extra:
         clash = sorted(set(state) & set(extra))
         if clash:
@@ -501,7 +539,7 @@ def save_zero_checkpoint(zero: ZeroOptimizer, path: Any, *, extra: dict[str, Any
         os.makedirs(path, exist_ok=True)
         target = os.path.join(path, META_FILE)
         with open(target + ".tmp", "w") as f:
-            json.dump(zero_metadata(zero, exclude_frozen_parameters, parts), f)
+            json.dump(zero_metadata(zero, exclude_frozen_parameters, parts, tp), f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(target + ".tmp", target)
@@ -548,10 +586,13 @@ def read_zero_metadata(path: Any) -> dict[str, Any]:
 
 
 def load_zero_checkpoint(zero: ZeroOptimizer, path: Any, *, load_optimizer: bool = True,
-                         extra: dict[str, Any] | None = None, strict: bool = True) -> dict[str, Any]:
-    """Load a checkpoint directory written by `save_zero_checkpoint` on any world size and stage into
-    ``zero`` (every rank calls it); ``extra``: more DCP entries to read in place; ``strict=False``:
-    tensors on one side only are skipped (`load_zero_state`). Returns the metadata."""
+                         extra: dict[str, Any] | None = None, strict: bool = True,
+                         tensor_parallel_group: Any = None) -> dict[str, Any]:
+    """Load a checkpoint directory written by `save_zero_checkpoint` on any world size, stage and
+    tensor-parallel size into ``zero`` (every rank calls it); ``extra``: more DCP entries to read in
+    place; ``strict=False``: tensors on one side only are skipped; ``tensor_parallel_group``: as
+    `load_zero_state`'s. Returns the metadata."""
     meta = read_zero_metadata(path)
-    load_zero_state(zero, path, meta, load_optimizer=load_optimizer, extra=extra, strict=strict)
+    load_zero_state(zero, path, meta, load_optimizer=load_optimizer, extra=extra, strict=strict,
+                    tensor_parallel_group=tensor_parallel_group)
     return meta

@@ -78,7 +78,13 @@ from ._precision import (
     fused_adam_step,
 )
 from ._reduction import Reduction
-from ._replicas import check_and_broadcast, refuse_replicas, replica_holders, split_process_groups
+from ._replicas import (
+    check_and_broadcast,
+    check_model_parallel,
+    refuse_replicas,
+    replica_holders,
+    split_process_groups,
+)
 from ._scaler import LossScaler
 from ._stage3 import Stage3, plan_units
 from ._stage3_offload import partition_buffer
@@ -125,8 +131,12 @@ class ZeroOptimizer(Reduction, State, OffloadStates, EngineCalls, Filling):
     (`_replicas`). ``checkpoint_names``: other names for some parameters or buffers in
     checkpoints (``{name in the model: name in the checkpoint}``), where the model's own would mean another
     tensor elsewhere (a pipeline stage's copy of a tied module's untied parameters, a rank's local expert).
-    ``model_parallel_group``: the ranks holding the model's other parts (pipeline stages), whose gradients count
-    in the norm clipped.
+    ``model_parallel_group``: the ranks holding the model's other parts (pipeline stages, tensor-parallel
+    slices), whose gradients count in the norm clipped. ``tensor_parallel_rank``: this rank's place in the
+    tensor-parallel dimension of that group: a parameter without Megatron's ``tensor_model_parallel`` mark is
+    the same on every tensor-parallel rank and counts in the norm only where it is 0 (DeepSpeed's rule).
+    ``gradient_averaging_size``: what the gradients summed over ``group`` are divided by (default: its size);
+    DeepSpeed's sequence parallelism reduces over data × sequence ranks and divides by the data-parallel size.
     """
 
     def __init__(self, model: nn.Module, optimizer: type[torch.optim.Optimizer] | Callable = torch.optim.AdamW, *,
@@ -134,7 +144,8 @@ class ZeroOptimizer(Reduction, State, OffloadStates, EngineCalls, Filling):
                  bf16: Any = None, gradient_clipping: float = 0.0, gradient_accumulation_steps: int = 1,
                  communication_data_type: Any = None, group: Any = None, aio: Any = None,
                  reduce_in_backward: bool = True, param_groups: Any = None,
-                 checkpoint_names: dict[str, str] | None = None, model_parallel_group: Any = None):
+                 checkpoint_names: dict[str, str] | None = None, model_parallel_group: Any = None,
+                 tensor_parallel_rank: int = 0, gradient_averaging_size: int | None = None):
         if not isinstance(model, nn.Module):
             raise ValueError(f"ZeroOptimizer: model must be a torch.nn.Module, got {type(model).__name__}")
         if not callable(optimizer):
@@ -209,6 +220,8 @@ class ZeroOptimizer(Reduction, State, OffloadStates, EngineCalls, Filling):
         self.gradient_clipping, self.model_parallel_group = float(gradient_clipping), model_parallel_group
         self.gradient_accumulation_steps = gradient_accumulation_steps
         self.world_size, self.rank = ds_comm.get_world_size(group), ds_comm.get_rank(group)
+        self.tensor_parallel_rank, self.gradient_averaging_size = check_model_parallel(
+            tensor_parallel_rank, gradient_averaging_size, model_parallel_group, self.world_size)
         self.scaler = LossScaler(fp16_config) if self.precision == "fp16" and not direct else None
         self.skipped_steps = 0
         # parameters replicated over a subgroup of ``group`` (a param group's process_group): `_replicas`
@@ -343,6 +356,11 @@ class ZeroOptimizer(Reduction, State, OffloadStates, EngineCalls, Filling):
         # asks for (DeepSpeed's enable_backward_allreduce) and leaves the gradients local otherwise
         self._compressed = callable(getattr(self.optimizer, "wants_averaged_gradients", None))
         if self._compressed:
+            if self.gradient_averaging_size != self.world_size:
+                raise NotImplementedError(f"ZeroOptimizer: a 1-bit optimizer ({type(self.optimizer).__name__}) with "
+                                          f"gradient_averaging_size {self.gradient_averaging_size} (not the group's "
+                                          f"{self.world_size} ranks: sequence parallelism) is not implemented in "
+                                          f"ds-zero {version()}")
             if self._replica_groups:
                 refuse_replicas(f"a 1-bit optimizer ({type(self.optimizer).__name__})")
             self._check_compressed(type(self.optimizer).__name__)

@@ -84,14 +84,17 @@ class Reduction:
         return (self.stage >= 2 or self.is_gradient_accumulation_boundary) and self._average_now
 
     def _reduce(self, b: int) -> None:
-        """Start bucket ``b``'s reduction: gradients × 1/world_size (DDP's arithmetic), summed by an
+        """Start bucket ``b``'s reduction: gradients × 1/world_size (DDP's arithmetic; 1/gradient_averaging_size
+        when given), summed by an
         all-reduce (stage 0) or a reduce-scatter into this rank's shard (stages 1-2). In place at
         stages 0-1 when the reduction dtype is the gradients'; else through a staging buffer."""
         if not self._reduces_now():
             return
         self._reduced[b] = True
         bucket, group = self.layout.buckets[b], self._bucket_groups[b]  # ZeRO's group, or the bucket's replicas'
-        scale = 1.0 / self.world_size  # whatever the group: DeepSpeed's averaging of replicated (expert) gradients
+        # whatever the group: DeepSpeed's averaging of replicated (expert) gradients; the data-parallel size with
+        # sequence parallelism (summed over the sequence ranks, averaged over the data ranks)
+        scale = 1.0 / self.gradient_averaging_size
         mine = self._shard_grads[b]  # this rank's reduced gradients of the bucket end up here
         if self.stage < 2:
             grads = self._grads[bucket.offset:bucket.offset + bucket.padded]
@@ -208,10 +211,14 @@ class Reduction:
         overflowed). Stage 0 holds every reduced gradient, so this is local and bitwise torch's; at
         stages 1-2 each parameter's sum of squares is gathered from its pieces first. With a
         ``model_parallel_group`` (pipeline stages) the other parts' squares are added, and a copy of a
-        weight another stage owns (``ds_pipe_replicated``, a tied weight) is left out, as in DeepSpeed.
+        weight another stage owns (``ds_pipe_replicated``, a tied weight) is left out, as in DeepSpeed; so is,
+        on tensor-parallel ranks other than 0, a parameter without Megatron's ``tensor_model_parallel`` mark
+        (replicated: the same on every tensor-parallel rank, counted once, as DeepSpeed's
+        is_model_parallel_parameter rule).
         Parameters replicated over subgroups (`_replicas`) count once: at stages 1-2 their pieces split
         them over their group, at stage 0 each group's first rank counts them (`_replicated_norm`)."""
-        counted = [not getattr(p, "ds_pipe_replicated", False) for p in self._params]
+        first = self.tensor_parallel_rank == 0
+        counted = [not getattr(p, "ds_pipe_replicated", False) and (first or _sliced(p)) for p in self._params]
         if self.stage == 0 and self._replica_groups:
             norm = self._replicated_norm(counted)
         elif self.stage == 0:
@@ -315,6 +322,12 @@ class Reduction:
         """Whether the next accumulation's gradients are averaged (a 1-bit optimizer decides)."""
         if self._compressed:
             self._average_now = self.optimizer.wants_averaged_gradients()
+
+
+def _sliced(param: torch.Tensor) -> bool:
+    """Whether ``param`` is a tensor-parallel slice (Megatron's ``tensor_model_parallel`` mark, or the older
+    ``model_parallel``), as DeepSpeed's is_model_parallel_parameter asks."""
+    return bool(getattr(param, "tensor_model_parallel", False) or getattr(param, "model_parallel", False))
 
 
 def _complete(work: Any, then: Callable | None) -> None:

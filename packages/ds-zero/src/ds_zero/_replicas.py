@@ -100,3 +100,21 @@ def check_and_broadcast(model: nn.Module, params: list[nn.Parameter], holders: l
         for p, h in zip(params, holders, strict=True):
             if h == key:
                 ds_comm.broadcast(p.data, src=source, group=groups[key])
+
+
+def check_model_parallel(tensor_parallel_rank: Any, averaging_size: Any, model_parallel_group: Any,
+                         world_size: int) -> tuple[int, int]:
+    """`ZeroOptimizer`'s ``tensor_parallel_rank`` and ``gradient_averaging_size`` checked: the rank an integer
+    >= 0 (above 0 only with a ``model_parallel_group``, whose norm adds what rank 0 counts), the size an
+    integer >= 1 (None: the group's ``world_size``)."""
+    if isinstance(tensor_parallel_rank, bool) or not isinstance(tensor_parallel_rank, int) or tensor_parallel_rank < 0:
+        raise ValueError(f"ZeroOptimizer: tensor_parallel_rank must be an integer >= 0, got {tensor_parallel_rank!r}")
+    if tensor_parallel_rank > 0 and model_parallel_group is None:
+        raise ValueError(f"ZeroOptimizer: tensor_parallel_rank {tensor_parallel_rank} needs the model_parallel_group "
+                         "holding the other tensor-parallel ranks (their replicated parameters count on rank 0 only)")
+    if averaging_size is None:
+        return tensor_parallel_rank, world_size
+    if isinstance(averaging_size, bool) or not isinstance(averaging_size, int) or averaging_size < 1:
+        raise ValueError(f"ZeroOptimizer: gradient_averaging_size must be an integer >= 1 or None, got "
+                         f"{averaging_size!r}")
+    return tensor_parallel_rank, averaging_size

@@ -1,8 +1,9 @@
 """DeepSpeed's ``deepspeed.utils.groups``: the process group, world size and rank of each kind of parallelism
 this rank takes part in, read from the model-parallel unit (``mpu``) the engine registers.
 
-``groups.mpu`` is the mpu: `ds_all.initialize` sets it to the one it was given, or to a PipelineModule's
-topology (a `ds_comm.Grid`); a script may set it itself, as with DeepSpeed (any object with Megatron's
+``groups.mpu`` is the mpu: `ds_all.initialize` sets it to the one it was given, to the ds-parallel
+`ModelParallelUnit` it built for ``tensor_parallel.autotp_size`` / ``sequence_parallel_size``, or to a
+PipelineModule's topology (a `ds_comm.Grid`); a script may set it itself, as with DeepSpeed (any object with Megatron's
 ``get_data_parallel_group()``... methods). Without one, data parallelism is the whole world and every other
 kind has one rank. The functions need the process group (``ds_all.comm.init_distributed`` or
 ``initialize``).
@@ -163,7 +164,8 @@ def get_tensor_model_parallel_src_rank() -> int:
 # ---- sequence parallel ----
 
 def get_sequence_parallel_world_size() -> int:
-    """The mpu's sequence-parallel world size; 1 without one (sequence parallelism is not built)."""
+    """The mpu's sequence-parallel world size (``sequence_parallel_size``: the mpu `initialize` builds); 1 without
+    one."""
     _require("get_sequence_parallel_world_size")
     ask = _ask("get_sequence_parallel_world_size")
     return ask() if ask is not None else 1

@@ -1,0 +1,7 @@
+"""DeepSpeed's ``deepspeed.sequence.layer``: ds-parallel's Ulysses attention (``DistributedAttention``) and
+its differentiable all-to-all (DeepSpeed's private ``_SeqAllToAll``, which Megatron-DeepSpeed calls)."""
+
+from ds_parallel import DistributedAttention
+from ds_parallel import SeqAllToAll as _SeqAllToAll
+
+__all__ = ["DistributedAttention", "_SeqAllToAll"]
