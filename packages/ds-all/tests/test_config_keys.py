@@ -52,7 +52,7 @@ NO_OP = [
     "zero_optimization.memory_efficient_linear",
     "zero_optimization.pipeline_loading_checkpoint", "zero_optimization.override_module_apply",
     "zero_optimization.log_trace_cache_warnings", "bf16.immediate_grad_update",
-    "pipeline.pipe_partitioned", "pipeline.grad_partitioned", "pipeline.use_reentrant",
+    "pipeline.use_reentrant",
     # DeepSpeed's engine reads neither (its sampler runs on curriculum_learning.enabled; pin_memory is its dynamic
     # batching's); ds keeps its clusters in memory
     "data_efficiency.data_sampling.enabled", "data_efficiency.data_sampling.pin_memory",
