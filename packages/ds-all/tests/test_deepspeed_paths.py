@@ -21,6 +21,7 @@ import ds_all
 import ds_comm
 import ds_launch
 import ds_ops
+import ds_parallel
 import ds_pipe
 import ds_zero
 from ds_comm.testing import spawn
@@ -30,6 +31,10 @@ EXAMPLES = Path(__file__).parent / "deepspeed_examples"
 # (module path as a DeepSpeed script imports it with "deepspeed" -> "ds_all", name, the owner's object)
 PATHS = [
     ("ds_all.accelerator", "get_accelerator", ds_ops.get_accelerator),
+    ("ds_all.sequence.layer", "DistributedAttention", ds_parallel.DistributedAttention),
+    ("ds_all.sequence.cross_entropy", "vocab_sequence_parallel_cross_entropy",
+     ds_parallel.vocab_sequence_parallel_cross_entropy),
+    ("ds_all.runtime.activation_checkpointing.checkpointing", "get_cuda_rng_tracker", ds_parallel.get_cuda_rng_tracker),
     ("ds_all.comm", "all_reduce", ds_comm.all_reduce),
     ("ds_all.comm", "init_distributed", ds_comm.init_distributed),
     ("ds_all.comm", "inference_all_reduce", ds_comm.inference_all_reduce),

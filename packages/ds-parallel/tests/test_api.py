@@ -19,7 +19,7 @@ def test_public_api_is_pinned():
         "reduce_from_tensor_model_parallel_region", "scatter_to_tensor_model_parallel_region",
         "set_tensor_model_parallel_attributes", "vocab_parallel_cross_entropy", "vocab_range_from_global_vocab_size",
         # Ulysses sequence parallelism
-        "DistributedAttention", "SeqAllToAll", "seq_all_to_all",
+        "DistributedAttention", "SeqAllToAll", "seq_all_to_all", "vocab_sequence_parallel_cross_entropy",
         # AutoTP
         "LinearAllreduce", "LinearLayer", "replace_module_consolidated_state_dict", "tp_model_init",
     ])

@@ -2,12 +2,12 @@
 
 import math
 
-import ds_comm
 import pytest
 import torch
 import torch.nn.functional as F
-from ds_comm.testing import spawn
 
+import ds_comm
+from ds_comm.testing import spawn
 from ds_parallel import DistributedAttention, seq_all_to_all
 
 TOL = 1e-6
@@ -83,7 +83,7 @@ def _one_case(rank, world, *, causal, layout, q_heads=4, kv_heads=4, rotary=Fals
     out.backward(local(grad))
     back = (lambda t: t.transpose(0, 1)) if seq_first else (lambda t: t)
     return [_max_diff(back(out), ref[:, mine])] + [_max_diff(back(t.grad), r.grad[:, mine])
-                                                 for t, r in zip(ins, ref_in)]
+                                                 for t, r in zip(ins, ref_in, strict=True)]
 
 
 CASES = [dict(causal=c, layout=lay) for c in (False, True)
@@ -243,8 +243,8 @@ def _gpt_trains_equal(rank, world):
 
     ref_losses = _train(reference, batches, whole)
     sp_losses = _train(split, batches, sequence_parallel)
-    weights = max(_max_diff(a, b) for a, b in zip(reference.parameters(), split.parameters()))
-    return {"loss": max(abs(a - b) for a, b in zip(ref_losses, sp_losses)), "weights": weights,
+    weights = max(_max_diff(a, b) for a, b in zip(reference.parameters(), split.parameters(), strict=True))
+    return {"loss": max(abs(a - b) for a, b in zip(ref_losses, sp_losses, strict=True)), "weights": weights,
             "losses": ref_losses}
 
 

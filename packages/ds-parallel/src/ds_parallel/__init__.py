@@ -21,6 +21,7 @@ from ._mappings import (
 )
 from ._mpu import ModelParallelUnit
 from ._random import CudaRNGStatesTracker, get_cuda_rng_tracker, model_parallel_cuda_manual_seed
+from ._sequence_cross_entropy import vocab_sequence_parallel_cross_entropy
 from ._ulysses import DistributedAttention, SeqAllToAll, seq_all_to_all
 
 __all__: list[str] = [
@@ -47,4 +48,5 @@ __all__: list[str] = [
     "tp_model_init",
     "vocab_parallel_cross_entropy",
     "vocab_range_from_global_vocab_size",
+    "vocab_sequence_parallel_cross_entropy",
 ]

@@ -21,8 +21,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import ds_comm
 import torch
+
+import ds_comm
 
 __all__ = ["DistributedAttention", "SeqAllToAll", "seq_all_to_all"]
 
@@ -73,12 +74,12 @@ def _all_to_all(input_: torch.Tensor, scatter: int, gather: int, group, world: i
         return input_.clone()
     block = shape[scatter] // world
     # [..., world, block, ...] with the block index first: all_to_all_single exchanges dimension 0
-    send = input_.reshape(shape[:scatter] + [world, block] + shape[scatter + 1:]).movedim(scatter, 0).contiguous()
+    send = input_.reshape([*shape[:scatter], world, block, *shape[scatter + 1:]]).movedim(scatter, 0).contiguous()
     received = torch.empty_like(send)
     ds_comm.all_to_all_single(received, send, group=group)
     # received[i] is rank i's block: put the rank index just before ``gather`` and merge the two
-    local = shape[:scatter] + [block] + shape[scatter + 1:]
-    merged = local[:gather] + [world * local[gather]] + local[gather + 1:]
+    local = [*shape[:scatter], block, *shape[scatter + 1:]]
+    merged = [*local[:gather], world * local[gather], *local[gather + 1:]]
     return received.movedim(0, gather).reshape(merged)
 
 
@@ -106,7 +107,7 @@ class SeqAllToAll(torch.autograd.Function):
     def backward(ctx: Any, grad_output: torch.Tensor):
         scatter, gather = ctx.dims
         grad = SeqAllToAll.apply(ctx.group, grad_output.contiguous(), gather, scatter)
-        return (None, grad, None, None, None) + (None,) * ctx.num_extra
+        return (None, grad, None, None, None, *(None,) * ctx.num_extra)
 
 
 def seq_all_to_all(input_: torch.Tensor, scatter_idx: int, gather_idx: int, group=None,
@@ -170,7 +171,7 @@ class DistributedAttention(torch.nn.Module):
         for name, tensor in (("query", query), ("key", key), ("value", value)):
             if not isinstance(tensor, torch.Tensor):
                 raise ValueError(f"DistributedAttention: {name} must be a tensor, got {type(tensor).__name__}")
-            scatter, gather = _resolve_dims(tensor.dim(), self.scatter_idx, self.gather_idx, batch_dim_idx)
+            scatter, _ = _resolve_dims(tensor.dim(), self.scatter_idx, self.gather_idx, batch_dim_idx)
             heads = tensor.shape[scatter]
             if heads % world:
                 raise ValueError(f"DistributedAttention: the number of {name} heads ({heads}, dimension {scatter} of "
