@@ -181,7 +181,10 @@ def getters_and_batch_sizes(rank, world_size, directory):
     assert engine.tensor_parallel_config() is engine.config.tensor_parallel  # AutoTP's section (test_tensor_parallel)
     with pytest.raises(RuntimeError, match="no sequence parallelism"):  # sequence_parallel_size 1
         engine.get_sequence_parallel_group()
-    for call, args in (("compile", ()), ("autotuning_metric", ()), ("sparse_allreduce", ())):
+    out["autotuning"] = (engine.autotuning_metric(), engine.autotuning_start_profile_step(),
+                         engine.autotuning_end_profile_step(), engine.autotuning_profile_model_info(),
+                         os.path.basename(engine.autotuning_metric_path()))
+    for call, args in (("compile", ()), ("sparse_allreduce", ())):
         with pytest.raises(NotImplementedError) as info:
             getattr(engine, call)(*args)
         errors[call] = str(info.value)
@@ -211,6 +214,7 @@ def test_getters_batch_sizes_and_refusals(tmp_path):
         assert out["after_set"] == (24, 4, 3)
         assert out["boundaries"] == [False, False, True] * 2
         assert out["after_micro"] == (12, 2, 3)
+        assert out["autotuning"] == ("throughput", 3, 5, False, "autotuning_metric.json")  # the section's defaults
         for call, message in out["errors"].items():
             assert f"engine.{call}:" in message and "has not built" in message, message
         assert out["cwd"] == []  # nothing was written into the working directory

@@ -1,6 +1,6 @@
 """DeepSpeed's ``DeepSpeedEngine`` configuration getters (``fp16_enabled()``, ``zero_optimization_stage()``,
 ``train_micro_batch_size_per_gpu()``, ...), read from the `Config` and the parts the engine holds, and the
-calls of features ds-all has not built (DeepSpeed's MoE checkpoint files, autotuning, DeepCompile, AutoTP, sparse
+calls of features ds-all has not built (DeepSpeed's MoE checkpoint files, DeepCompile, AutoTP, sparse
 gradients): getters that say whether such a feature is on answer False (the config refuses it on), calls
 that would use it raise `NotImplementedError` naming it. A mixin of `EngineAPI` (``_engine_api.py``).
 """
@@ -8,6 +8,7 @@ that would use it raise `NotImplementedError` naming it. A mixin of `EngineAPI` 
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import torch
@@ -389,26 +390,28 @@ class EngineGetters:
             logger.info("time (ms) | fwd: %.2f (fwd_moe: %.2f, 1st_a2a: %.2f, 2nd_a2a: %.2f, top_k: %.2f)", fwd_time,
                         moe, first, second, gate)
 
+    # ---- autotuning (the section ds-autotune's experiments run with; ds_all/_autotuning.py profiles)
     def autotuning_enabled(self) -> bool:
-        return False
+        return self.config.autotuning.enabled
 
     def autotuning_profile_model_info(self) -> bool:
-        return False
+        info = self.config.autotuning.model_info
+        return bool(self.autotuning_enabled() and info is not None and info.profile)
 
     def autotuning_start_profile_step(self) -> int:
-        raise not_built("autotuning_start_profile_step", "autotuning")
+        return self.config.autotuning.start_profile_step
 
     def autotuning_end_profile_step(self) -> int:
-        raise not_built("autotuning_end_profile_step", "autotuning")
+        return self.config.autotuning.end_profile_step
 
     def autotuning_metric_path(self) -> str:
-        raise not_built("autotuning_metric_path", "autotuning")
+        return self.config.autotuning.metric_path or os.path.join(os.getcwd(), "autotuning_metric.json")
 
     def autotuning_model_info_path(self) -> str:
-        raise not_built("autotuning_model_info_path", "autotuning")
+        return self.config.autotuning.model_info_path or os.path.join(os.getcwd(), "autotuning_model_info.json")
 
     def autotuning_metric(self) -> str:
-        raise not_built("autotuning_metric", "autotuning")
+        return self.config.autotuning.metric
 
     def tensor_parallel_config(self) -> Any:
         """The ``tensor_parallel`` section (`TensorParallelConfig`)."""
