@@ -180,9 +180,6 @@ class DistributedAttention(torch.nn.Module):
         if self.num_kv_heads is not None and self.num_kv_heads % world:
             raise ValueError(f"DistributedAttention: num_kv_heads ({self.num_kv_heads}) must be divisible by the "
                              f"sequence-parallel group size ({world}); uneven head partitions are not built")
-        if key.shape != value.shape:
-            raise ValueError(f"DistributedAttention: key and value must have the same shape, got "
-                             f"{tuple(key.shape)} and {tuple(value.shape)}")
         q = SeqAllToAll.apply(self.spg, query, self.scatter_idx, self.gather_idx, batch_dim_idx)
         k = SeqAllToAll.apply(self.spg, key, self.scatter_idx, self.gather_idx, batch_dim_idx)
         v = SeqAllToAll.apply(self.spg, value, self.scatter_idx, self.gather_idx, batch_dim_idx)
