@@ -130,6 +130,7 @@ CREATORS = {"zeros", "empty", "ones", "full", "zeros_like", "empty_like", "ones_
 # (module, function): why a tensor made there has no device= (none is a training buffer)
 ALLOWED = {
     ("_checkpoint.py", "_sharded"): "an empty tensor only describes a dtype to ShardedTensor's metadata",
+    ("_checkpoint_tp.py", "sharded_slice"): "the same, for a tensor-parallel slice's pieces of the whole parameter",
     ("_stage3_guard.py", "_start_check"): "the path check's tiny tensors go over a gloo group of their own (host)",
     ("_init.py", "put"): "DeepSpeed's empty placeholder for a shard kept on NVMe",
 }
