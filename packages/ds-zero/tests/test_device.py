@@ -99,7 +99,9 @@ def offload_and_moved_states(rank, world_size):
             zero = ZeroOptimizer(model, ds_ops.CPUAdam, optimizer_kwargs={"lr": 1e-2},
                                  config={"stage": stage, "reduce_bucket_size": 200,
                                          "offload_optimizer": {"device": "cpu"}}, bf16={"enabled": True})
-            flat = zero._flat.untyped_storage().data_ptr()
+            # hold the first buffer: freed, its address could be handed out again to the reloaded copy
+            first = zero._flat.untyped_storage()
+            flat = first.data_ptr()
             for step in range(3):
                 zero.backward(_loss(model, _batch(step, 0, rank)))
                 zero.step()
@@ -111,6 +113,7 @@ def offload_and_moved_states(rank, world_size):
             runs.append(([p.detach().clone() for p in model.parameters()], moved, zero._host.device_params[0]
                          .untyped_storage().data_ptr() == zero._flat.untyped_storage().data_ptr()))
             zero.close()
+            del first
         (plain, _, _), (moved_run, moved, follows) = runs
         out.append((stage, all(torch.equal(a, b) for a, b in zip(plain, moved_run, strict=True)), moved, follows))
     return out
