@@ -1,5 +1,5 @@
 """Sequence parallelism (Ulysses) through ds_all.initialize: on 4 ranks, SP2 x DP2 (a tiny GPT whose attention is
-ds-parallel's DistributedAttention, ZeRO stage 1 and 2 over data x sequence ranks, fp32, gradient clipping that
+ds-parallel's DistributedAttention, ZeRO stages 1, 2 and 3 over data x sequence ranks, fp32, gradient clipping that
 clips) equals the same GPT trained on whole sequences in a plain torch loop on the same global batch, within 1e-6.
 Each rank's loss is its share of its sequences' loss (its tokens' sum over all the sequences' tokens); the
 engine sums the gradients over the sequence ranks and averages them over the data ranks, as DeepSpeed's does."""
@@ -77,11 +77,11 @@ def _batches():
 def sp_dp_equals_whole_sequences(rank, world_size):
     inputs, targets = _batches()
     out = {}
-    for stage in (1, 2):
+    for stage in (1, 2, 3):
         config = {"train_batch_size": MICRO * DP, "train_micro_batch_size_per_gpu": MICRO,
                   "gradient_clipping": CLIP, "zero_optimization": {"stage": stage}}
         mpu = None
-        if stage == 1:  # the config builds the groups (DeepSpeed's data_parallel_size x sequence_parallel_size)
+        if stage != 2:  # the config builds the groups (DeepSpeed's data_parallel_size x sequence_parallel_size)
             config.update(sequence_parallel_size=SP, data_parallel_size=DP)
         else:  # a script's own mpu
             mpu = ds_parallel.ModelParallelUnit(sequence_parallel_size=SP)
@@ -110,15 +110,16 @@ def sp_dp_equals_whole_sequences(rank, world_size):
                           float(torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP))))
             reference.step()
         full = dict(ref.named_parameters())
-        worst = max(float((p.detach() - full[n].detach()).abs().max()) for n, p in model.named_parameters())
+        with ds_all.zero.GatheredParameters(list(model.parameters()), enabled=stage == 3):  # stage 3: partitioned
+            worst = max(float((p.detach() - full[n].detach()).abs().max()) for n, p in model.named_parameters())
         out[stage] = (norms, worst)
         engine.destroy()
     return out
 
 
-def test_sp2_dp2_equals_whole_sequences_at_stages_1_and_2():
+def test_sp2_dp2_equals_whole_sequences_at_stages_1_2_and_3():
     results = spawn(sp_dp_equals_whole_sequences, world_size=4, timeout=240)
-    for stage in (1, 2):
+    for stage in (1, 2, 3):
         for norms, worst in [r[stage] for r in results]:
             assert worst < 1e-6, (stage, worst)
             for got, want in norms:

@@ -1,5 +1,5 @@
 """Tensor parallelism through ds_all.initialize: on 4 ranks, TP2 x DP2 (a tiny GPT built from ds-parallel's
-Megatron-style layers, ZeRO stage 1 and 2, fp32, gradient clipping that clips) equals the unsplit GPT trained in
+Megatron-style layers, ZeRO stages 1, 2 and 3, fp32, gradient clipping that clips) equals the unsplit GPT trained in
 a plain torch loop on the same global batch: the clipped norm every step (replicated parameters counted once)
 and every weight slice after the steps, within 1e-6. Bad sizes are named."""
 
@@ -117,7 +117,7 @@ def tp_dp_equals_unsplit(rank, world_size):
     tp_rank, dp_rank = mpu.get_tensor_model_parallel_rank(), mpu.get_data_parallel_rank()
     inputs, targets = _batches()
     out = {}
-    for stage in (1, 2):
+    for stage in (1, 2, 3):
         torch.manual_seed(0)
         ref = GPT()
         model = TPGPT(mpu.get_tensor_model_parallel_group())
@@ -147,16 +147,18 @@ def tp_dp_equals_unsplit(rank, world_size):
             twice.append(math.sqrt(ref_norm ** 2 + extra))
             reference.step()
         full = dict(ref.named_parameters())
-        worst = max(float((p.detach() - _slice(full[n], p, tp_rank).detach()).abs().max())
-                    for n, p in model.named_parameters())
+        # stage 3: each slice is partitioned over the data-parallel ranks; gathered whole to compare
+        with ds_all.zero.GatheredParameters(list(model.parameters()), enabled=stage == 3):
+            worst = max(float((p.detach() - _slice(full[n], p, tp_rank).detach()).abs().max())
+                        for n, p in model.named_parameters())
         out[stage] = (norms, twice, worst)
         engine.destroy()
     return out
 
 
-def test_tp2_dp2_equals_the_unsplit_model_at_stages_1_and_2():
+def test_tp2_dp2_equals_the_unsplit_model_at_stages_1_2_and_3():
     results = spawn(tp_dp_equals_unsplit, world_size=4, timeout=240)
-    for stage in (1, 2):
+    for stage in (1, 2, 3):
         for norms, twice, worst in [r[stage] for r in results]:
             assert worst < 1e-6, (stage, worst)
             for (got, want), doubled in zip(norms, twice, strict=True):
