@@ -196,3 +196,118 @@ def test_a_checkpoint_loads_at_another_tensor_parallel_size(case, results_both_w
 @pytest.fixture(scope="module")
 def results_both_ways(tmp_path_factory):
     return spawn(both_ways, world_size=2, args=(str(tmp_path_factory.mktemp("tp_ckpt")),), timeout=240)
+
+
+# --------------------------------------------- GPT-2's fused c_attn: a strided slice (partition_stride 3)
+class Conv1D(nn.Module):
+    """Hugging Face's GPT-2 ``Conv1D`` (weight [in, out]; AutoTP knows it by name and shape): no transformers
+    import on the ranks."""
+
+    def __init__(self, nf, nx):
+        super().__init__()
+        self.nf = nf
+        self.weight, self.bias = nn.Parameter(torch.randn(nx, nf) * 0.2), nn.Parameter(torch.randn(nf) * 0.1)
+
+    def forward(self, x):
+        return x @ self.weight + self.bias
+
+
+class GPT2Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.num_heads, self.split_size, self.head_dim = 4, D, D // 4
+        self.c_attn, self.c_proj = Conv1D(3 * D, D), Conv1D(D, D)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = (h.view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
+                   for h in self.c_attn(x).split(self.split_size, dim=2))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+        return self.c_proj(a.reshape(b, t, self.num_heads * self.head_dim))
+
+
+class GPT2MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c_fc, self.c_proj = Conv1D(HIDDEN, D), Conv1D(D, HIDDEN)
+
+    def forward(self, x):
+        return self.c_proj(F.gelu(self.c_fc(x)))
+
+
+class GPT2Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln_1, self.attn, self.ln_2, self.mlp = nn.LayerNorm(D), GPT2Attention(), nn.LayerNorm(D), GPT2MLP()
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT2Like(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin0, self.h, self.head = nn.Linear(IN, D), nn.ModuleList(GPT2Block() for _ in range(2)), nn.Linear(D, OUT)
+
+    def forward(self, x):
+        x = self.lin0(x)
+        for block in self.h:
+            x = block(x)
+        return self.head(x)
+
+
+def _gpt2_engine(seed: int):
+    import ds_all
+    torch.manual_seed(seed)
+    model = GPT2Like()
+    ds_all.tp_model_init(model, tp_size=2, dtype=torch.float32)
+    config = {"train_micro_batch_size_per_gpu": ROWS, "optimizer": {"type": "Adam", "params": {"lr": LR}},
+              "zero_optimization": {"stage": 1}, "gradient_clipping": CLIP, "steps_per_print": 1000}
+    engine, *_ = ds_all.initialize(model=model, config=config)
+    return engine
+
+
+def _gpt2_steps(engine, steps) -> list[float]:
+    losses = []
+    for step in steps:
+        x, y = batch(step)
+        loss = F.mse_loss(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def gpt2_resumes(rank, world, directory):
+    """Uninterrupted, then saved after BEFORE steps and loaded into a model of other initial weights."""
+    engine = _gpt2_engine(SEED)
+    assert engine.module.h[0].attn.c_attn.weight.partition_stride == 3  # q, k and v: this rank's heads of each
+    losses = _gpt2_steps(engine, range(BEFORE + AFTER))
+    want = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    engine.destroy()
+    engine = _gpt2_engine(SEED)
+    resumed = _gpt2_steps(engine, range(BEFORE))
+    engine.save_checkpoint(directory, tag="t")
+    # the checkpoint holds the whole c_attn, each rank's q, k and v heads in their places ([out, in] layout)
+    whole = engine.module.h[0].attn.c_attn.gathered_state()["weight"].t()
+    exported = None
+    if rank == 0:
+        from ds_zero import get_fp32_state_dict_from_zero_checkpoint
+        exported = get_fp32_state_dict_from_zero_checkpoint(directory)["h.0.attn.c_attn.weight"]
+    engine.destroy()
+    engine = _gpt2_engine(SEED + 1)
+    path, _ = engine.load_checkpoint(directory)
+    assert path is not None and engine.global_steps == BEFORE
+    resumed += _gpt2_steps(engine, range(BEFORE, BEFORE + AFTER))
+    worst = max(float((p.detach() - want[n]).abs().max()) for n, p in engine.module.named_parameters())
+    engine.destroy()
+    return losses, resumed, worst, whole, exported
+
+
+def test_a_gpt2_autotp_checkpoint_with_strided_c_attn_resumes_as_if_uninterrupted(tmp_path):
+    results = spawn(gpt2_resumes, world_size=2, args=(str(tmp_path),), timeout=240)
+    for losses, resumed, worst, _, _ in results:
+        assert resumed == losses and worst == 0.0
+    _, _, _, whole, exported = results[0]
+    assert whole.shape == (3 * D, D) and torch.equal(exported, whole)

@@ -1,12 +1,14 @@
 """Tensor-parallel slices in ZeRO's sharded checkpoints: a sliced parameter is saved whole.
 
 A parameter a tensor-parallel layer slices carries Megatron's marks (``tensor_model_parallel = True``,
-``partition_dim``, ``partition_stride`` 1): each of the ``size`` ranks of the tensor-parallel group holds
-slice ``rank`` of the whole parameter along ``partition_dim``. In a checkpoint the parameter is the whole
-one, flattened (the same entries, ``master/<name>`` and ``optim/<key>/<name>``, an unsplit model writes),
-and a rank's ZeRO piece of its slice is described as the runs of that flattened whole it covers: the
-slice's elements are contiguous in the whole within each index of the dimensions before
-``partition_dim``. So a checkpoint of any tensor-parallel size (1 included, and a model without
+``partition_dim``, ``partition_stride``): each of the ``size`` ranks of the tensor-parallel group holds
+slice ``rank`` of the whole parameter along ``partition_dim``; with ``partition_stride`` s > 1 (a fused
+weight: GPT-2's ``c_attn`` = [q; k; v], s = 3) the whole is cut into ``s * size`` chunks along that
+dimension and the rank holds chunks ``rank, size + rank, ..., (s - 1) * size + rank`` (Megatron's layout).
+In a checkpoint the parameter is the whole one, flattened (the same entries, ``master/<name>`` and
+``optim/<key>/<name>``, an unsplit model writes), and a rank's ZeRO piece of its slice is described as the
+runs of that flattened whole it covers: each chunk's elements are contiguous in the whole within each
+index of the dimensions before ``partition_dim``. So a checkpoint of any tensor-parallel size (1 included, and a model without
 tensor-parallel layers) loads at any other: DCP reads the overlapping ranges, as it does for ZeRO's
 partitions over data-parallel ranks.
 """
@@ -38,6 +40,7 @@ class Slice:
     size: int  # the tensor-parallel world size
     dim: int  # partition_dim
     local_shape: tuple[int, ...]
+    stride: int = 1  # partition_stride: the slice is this many chunks of the whole along dim
 
     @property
     def full_shape(self) -> tuple[int, ...]:
@@ -53,12 +56,14 @@ class Slice:
         """The elements ``start .. start + length`` of the flattened slice as runs of the flattened whole:
         ``(offset in the range, offset in the whole, length)``."""
         inner = math.prod(self.local_shape[self.dim:])  # one index of the outer dims: contiguous in both
+        chunk = inner // self.stride  # one of the slice's chunks there: contiguous in the whole too
         whole_inner = inner * self.size
         out, at, end = [], start, start + length
         while at < end:
             outer, within = divmod(at, inner)
-            n = min(end - at, inner - within)
-            out.append((at - start, outer * whole_inner + self.rank * inner + within, n))
+            index, within_chunk = divmod(within, chunk)  # chunk `index` of the slice: (index * size + rank) of the whole
+            n = min(end - at, chunk - within_chunk)
+            out.append((at - start, outer * whole_inner + (index * self.size + self.rank) * chunk + within_chunk, n))
             at += n
         return out
 
@@ -84,10 +89,11 @@ def tensor_parallel_slices(params: list[torch.Tensor], group: Any) -> dict[int, 
             raise ValueError(f"checkpoint: a parameter of shape {tuple(p.shape)} is marked tensor_model_parallel "
                              f"but its partition_dim is {dim!r}; allowed: an int in 0..{p.dim() - 1}")
         stride = getattr(p, "partition_stride", 1)
-        if stride != 1:
-            raise NotImplementedError(f"checkpoint: tensor-parallel slices with partition_stride={stride} (strided "
-                                      "slices) are not implemented in ds-zero; partition_stride 1 is")
-        out[index] = Slice(rank, size, dim % p.dim(), tuple(p.shape))
+        if isinstance(stride, bool) or not isinstance(stride, int) or stride < 1 or p.shape[dim] % stride:
+            raise ValueError(f"checkpoint: a parameter of shape {tuple(p.shape)} is marked tensor_model_parallel "
+                             f"with partition_stride {stride!r}; allowed: an int >= 1 that divides its size "
+                             f"{p.shape[dim]} along partition_dim {dim}")
+        out[index] = Slice(rank, size, dim % p.dim(), tuple(p.shape), stride)
     return out
 
 
