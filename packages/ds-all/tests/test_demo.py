@@ -90,3 +90,47 @@ def test_the_pipeline_example_trains_two_stages_through_the_engine(tmp_path):
     per_stage = [re.findall(r"^stage \d step (\d+) loss ([0-9.]+)$", log, re.M) for log in (first, last)]
     assert per_stage[0] == per_stage[1] and [s for s, _ in per_stage[0]] == ["10", "20", "30"], per_stage
     assert re.search(r"^stage 0: loss fell: ", first, re.M) and re.search(r"^stage 1: loss fell: ", last, re.M)
+
+
+class _Clock:
+    """A ``time`` whose ``perf_counter`` ticks grow ``growth`` times per call: 1, every interval timed is equal
+    (bf16 as fast as float32); 10, each later interval far longer (bf16 emulated)."""
+
+    def __init__(self, growth: float):
+        self.now, self.tick, self.growth = 0.0, 1.0, growth
+
+    def perf_counter(self) -> float:
+        self.now += self.tick
+        self.tick *= self.growth
+        return self.now
+
+
+def main_job_with_clocks(rank, world_size, directory):
+    import importlib.util
+    import os
+
+    import ds_all
+
+    spec = importlib.util.spec_from_file_location("train_gpt_example", EXAMPLES / "train_gpt.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    example.time = _Clock(1.0 if rank == 0 else 10.0)  # the ranks' timings disagree (a busy machine)
+    chosen, initialize = [], ds_all.initialize
+
+    def recording(*args, config, **kwargs):  # what each rank chose
+        chosen.append(config["bf16"]["enabled"])
+        return initialize(*args, config=config, **kwargs)
+
+    ds_all.initialize = recording  # in this rank's process only
+    os.chdir(directory)
+    sys.argv = ["train_gpt.py", "--tiny", "--steps", "4"]
+    example.main()
+    return chosen
+
+
+def test_the_main_job_picks_one_precision_for_all_ranks_when_their_timings_differ(tmp_path):
+    """``--precision auto`` times a bf16 matmul: rank 0 decides for all (a rank in bf16 and another in float32
+    exchange tensors of different sizes: gloo aborts, as it did in CI on a busy machine)."""
+    from ds_comm.testing import spawn
+
+    assert spawn(main_job_with_clocks, world_size=2, args=(str(tmp_path),), timeout=240) == [[True], [True]]
