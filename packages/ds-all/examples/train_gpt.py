@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import ds_all
+from ds_all.accelerator import get_accelerator
 
 HERE = Path(__file__).resolve().parent
 SHAPES = {"full": {"vocab": 8192, "d_model": 512, "layers": 8, "heads": 8, "seq": 256},
@@ -92,7 +93,10 @@ class Walks(torch.utils.data.Dataset):
 def bf16_is_emulated() -> float | None:
     """How many times slower a bf16 matmul runs than float32 here, when that is over 8 (emulated). Timed on
     rank 0 and sent to every rank: they must all pick the same precision (a rank in bf16 and one in float32
-    would exchange tensors of different sizes), and a timing on a busy machine differs from rank to rank."""
+    would exchange tensors of different sizes), and a timing on a busy machine differs from rank to rank.
+    None on an accelerator (the check is the CPU's: a GPU's own bf16 is native)."""
+    if get_accelerator().device_name() != "cpu":
+        return None
     ds_all.init_distributed()
     slowdown = torch.zeros(1, dtype=torch.float64)
     if ds_all.comm.get_rank() == 0:
