@@ -536,3 +536,35 @@ def test_parameters_and_optimizer_on_nvme_train_as_with_cpu_offload(tmp_path, pr
         assert nvme["partition"] == 0 < cpu["partition"], (nvme, cpu)
         assert nvme["nvme"] >= cpu["partition"] + cpu["optimizer"] + cpu["master"], (nvme, cpu)
     assert not list(tmp_path.glob("ds_zero_optimizer_*"))
+
+
+def over_one_of_two_data_groups(rank, world_size):
+    import torch.distributed as dist
+
+    # as beside tensor parallelism: data groups {0, 2} and {1, 3}, made on every rank in the same order
+    groups = [ds_comm.new_group([0, 2]), ds_comm.new_group([1, 3])]
+    mine = groups[rank % 2]
+    out = []
+    for _ in range(2):  # twice: the second optimizer reuses the check groups
+        torch.manual_seed(0)
+        model = TinyGPT()
+        zero = ZeroOptimizer(model, torch.optim.AdamW, optimizer_kwargs=ADAMW, config=STAGE3, group=mine)
+        check = zero._stage3._check_group
+        wired = torch.tensor([float(rank + 1)])
+        dist.all_reduce(wired, group=check)  # connected to its data group's ranks, not another group's
+        losses = _train(model, zero, 3, rank // 2)  # the same batches in both groups
+        out.append((dist.get_process_group_ranks(check), float(wired), losses, _whole(model, zero), check))
+    (ranks, wired, losses, params, check), (_, _, again, params_again, check_again) = out
+    return ranks, wired, losses == again, check is check_again, params, params_again
+
+
+def test_stage_3_over_one_of_several_data_groups():
+    """Each rank's path checks run on a group of its data group's ranks, made on every rank for every data
+    group in the same order: made for its own group alone, ranks of other groups were cross-wired (hung)."""
+    results = spawn(over_one_of_two_data_groups, world_size=4, timeout=120)
+    for rank, (ranks, wired, same_losses, reused, params, params_again) in enumerate(results):
+        assert ranks == [rank % 2, rank % 2 + 2] and wired == sum(r + 1 for r in ranks)
+        assert same_losses and reused
+        assert all(torch.equal(a, b) for a, b in zip(params, params_again, strict=True))
+        # both data groups trained the same model on the same batches
+        assert all(torch.equal(a, b) for a, b in zip(params, results[rank ^ 1][4], strict=True))

@@ -54,19 +54,33 @@ class PathGuard:
         return f"the parameters of {self._names.get(unit, f'unit {unit}')!r} ({'backward' if backward else 'forward'})"
 
 
-_check_groups: dict[tuple, Any] = {}
+_check_groups: dict[tuple[int, ...], Any] = {}  # ranks -> the check group (also of groups this rank is not in)
+_everyone: list[Any] = []  # a gloo group of every rank, to learn each rank's data group (cleared with the world)
 
 
 def check_group(group: Any) -> Any:
     """A process group of ``group``'s ranks for the path checks alone. On the data group a check
     would queue behind the gathers and reductions in flight (gloo runs a group's collectives in
-    order), making every request wait for them: 27% of a step on the §9 workload. Made once per
-    set of ranks (creating a group is a collective of every rank). A gloo group: the checks' tensors are
-    tiny host tensors, also where the data group is NCCL (a CUDA model)."""
+    order), making every request wait for them: 27% of a step on the §9 workload. A gloo group: the
+    checks' tensors are tiny host tensors, also where the data group is NCCL (a CUDA model).
+
+    Creating a group is a collective of every rank, each group created in the same order everywhere:
+    with several data groups (ZeRO beside tensor parallelism: ranks {0, 2} and {1, 3}) a rank that made
+    only its own would pair with another rank's call, and two groups of other ranks would share one name
+    (their ranks cross-wired, hanging). So the ranks first learn every rank's data group (a tiny
+    all-gather), then each makes every group not made yet, in sorted order, and keeps its own."""
     import torch.distributed as dist
 
-    ranks = tuple(dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size()))
-    key = (id(dist.distributed_c10d._get_default_group()), ranks)
-    if key not in _check_groups:
-        _check_groups[key] = ds_comm.new_group(list(ranks), backend="gloo")
-    return _check_groups[key]
+    world = dist.get_world_size()
+    mine = tuple(sorted(dist.get_process_group_ranks(group))) if group is not None else tuple(range(world))
+    if not _everyone or _everyone[0] not in dist.distributed_c10d._world.pg_map:
+        _check_groups.clear()  # none yet, or made before the process group was destroyed and made again
+        _everyone[:] = [ds_comm.new_group(list(range(world)), backend="gloo")]
+    member = torch.zeros(world, dtype=torch.int32)
+    member[list(mine)] = 1
+    rows = [torch.empty_like(member) for _ in range(world)]
+    dist.all_gather(rows, member, group=_everyone[0])
+    for ranks in sorted({tuple(int(r) for r in row.nonzero().flatten()) for row in rows}):  # the same on every rank
+        if ranks not in _check_groups:
+            _check_groups[ranks] = ds_comm.new_group(list(ranks), backend="gloo")
+    return _check_groups[mine]
