@@ -76,9 +76,9 @@ def check_group(group: Any) -> Any:
     if not _everyone or _everyone[0] not in dist.distributed_c10d._world.pg_map:
         _check_groups.clear()  # none yet, or made before the process group was destroyed and made again
         _everyone[:] = [ds_comm.new_group(list(range(world)), backend="gloo")]
-    member = torch.zeros(world, dtype=torch.int32)
+    member = torch.zeros(world, dtype=torch.int32, device="cpu")  # host tensors: the group is gloo
     member[list(mine)] = 1
-    rows = [torch.empty_like(member) for _ in range(world)]
+    rows = [torch.empty_like(member, device="cpu") for _ in range(world)]
     dist.all_gather(rows, member, group=_everyone[0])
     for ranks in sorted({tuple(int(r) for r in row.nonzero().flatten()) for row in rows}):  # the same on every rank
         if ranks not in _check_groups:
