@@ -39,11 +39,12 @@ def memory_by_stage(rank, world_size):
 
 
 def test_model_state_memory_is_at_the_zero_formulas():
-    # Psi * (4 + 4 + 8), (4 + 4 + 8/N), (4 + (4 + 8)/N) bytes for float32 AdamW at stages 0, 1, 2
+    # Psi * (4 + 4 + 8), (4 + 4 + (4 + 8)/N), (4 + (4 + 8)/N) bytes for float32 AdamW at stages 0, 1, 2 (stage 1
+    # keeps the local gradients in .grad and its averaged shard apart: a second backward before the step)
     results = spawn(memory_by_stage, world_size=2)
     for by_stage, psi in results:
         n = 2
-        formula = {0: (4, 4, 8), 1: (4, 4, 8 / n), 2: (4, 4 / n, 8 / n)}
+        formula = {0: (4, 4, 8), 1: (4, 4 + 4 / n, 8 / n), 2: (4, 4 / n, 8 / n)}
         for stage, (params, grads, states) in formula.items():
             got = by_stage[stage]
             estimate = estimate_zero_model_states_mem_needs(psi, stage=stage, world_size=n, precision="fp32")
@@ -52,8 +53,9 @@ def test_model_state_memory_is_at_the_zero_formulas():
                 assert abs(got[kind] - estimate[kind]) <= 0.01 * estimate[kind], (stage, kind, got, estimate)
             assert got["master"] == 0
         totals = [sum(by_stage[s][k] for k in ("params", "grads", "optimizer")) / psi for s in (0, 1, 2)]
-        assert [round(t) for t in totals] == [16, 12, 10]
-        assert by_stage[0]["buffers"] == by_stage[1]["buffers"] == 0 < by_stage[2]["buffers"]
+        assert [round(t) for t in totals] == [16, 14, 10]
+        # stage 1 reduces through bucket buffers as stage 2 does (its partition is apart from .grad)
+        assert by_stage[0]["buffers"] == 0 < by_stage[1]["buffers"] == by_stage[2]["buffers"]
 
 
 def different_models(rank, world_size):

@@ -40,7 +40,9 @@ def estimate_zero_model_states_mem_needs(total_params: int, *, stage: int, world
     shards = world_size if stage >= 1 else 1
     gathered = width * largest_layer_params if stage == 3 else 0
     out = {"params": width * total_params // (world_size if stage == 3 else 1) + gathered,
-           "grads": width * total_params // (world_size if stage >= 2 else 1),
+           # stage 1: the whole local gradients (.grad) and this rank's averaged shard of them
+           "grads": width * total_params // (world_size if stage >= 2 else 1) +
+           (width * total_params // world_size if stage == 1 else 0),
            "master": 0 if precision == "fp32" else 4 * total_params // shards,
            "optimizer": 8 * total_params // shards}
     cpu = out["master"] + out["optimizer"] if offload_optimizer else 0

@@ -171,7 +171,7 @@ class OffloadStates:
         elif state == OffloadStateTypeEnum.hp_params:
             roots = [self._flat if self._master is None else self._master]
         elif state == OffloadStateTypeEnum.lp_grads:
-            roots = [self._grads if self.stage < 2 else self._partition, self._master_grads]
+            roots = [self._grads, self._partition, self._master_grads]
         elif state == OffloadStateTypeEnum.contiguous_grad_buffer:
             roots = [*self._bucket_buffers, *self._received]
         else:

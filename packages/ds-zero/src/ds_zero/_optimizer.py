@@ -8,8 +8,11 @@ overlaps the rest of backward:
 * stage 0: gradients accumulate in a flat buffer; at the accumulation boundary each bucket is
   multiplied by 1/world_size and all-reduced (DDP's arithmetic, so the result is DDP's bit for bit);
   the optimizer steps every element.
-* stage 1: the same reduction; the optimizer steps only this rank's shard of each bucket (its states
-  exist for that shard only), and the updated shards are all-gathered back into the parameters.
+* stage 1: gradients accumulate in the flat buffer as at stage 0; at the boundary each bucket is copied
+  (times 1/world_size) into a bucket buffer and reduce-scattered into this rank's gradient partition, so
+  ``.grad`` keeps the local accumulation and a second backward before the step is averaged whole again; the
+  optimizer steps only this rank's shard of each bucket (its states exist for that shard only), and the
+  updated shards are all-gathered back into the parameters.
 * stage 2: each micro-step, a complete bucket's gradients are copied into a reusable bucket buffer
   (times 1/world_size) and reduce-scattered into this rank's flat gradient partition; the full-size
   gradients are freed at once. Optimizer and gather as in stage 1.
@@ -49,6 +52,7 @@ import ds_comm
 from ._engine_calls import EngineCalls
 from ._filling import Filling
 from ._frozen import FrozenShards, partitioned_frozen
+from ._grad_slots import GradientSlots
 from ._groups import option_groups, step_runs
 from ._half import implied_precision
 from ._layout import FlatLayout
@@ -320,12 +324,13 @@ class ZeroOptimizer(Reduction, State, OffloadStates, EngineCalls, Filling):
             in_master = self._owned
         else:
             in_master = [(at, b.shard) for b, at in zip(layout.buckets, self._shard_starts, strict=True)]
-        if self.stage < 2:
-            self._grads = torch.zeros(layout.numel, dtype=self.dtype, device=self.device)
-            for p, slot in zip(params, layout.slots, strict=True):
-                p.grad = self._grads[slot.offset:slot.offset + slot.numel].view(p.shape)
+        # stages 0-1: every .grad a view of one flat buffer, which backward accumulates into (`_grad_slots`)
+        self._grads = torch.zeros(layout.numel, dtype=self.dtype, device=self.device) if self.stage < 2 else None
+        self._slots = GradientSlots(model, params, layout, self.stage, self._grads)
+        self._partition = None
+        if self.stage == 0:
             self._shard_grads = [self._grads[start:start + length] for start, length in self._owned]
-        else:
+        else:  # stage 1 too: each reduction averages the whole local accumulation into the partition anew
             self._partition = torch.zeros(layout.shard_numel, dtype=self.dtype, device=self.device)
             self._shard_grads = [self._partition[at:at + b.shard] for b, at in zip(layout.buckets, self._shard_starts,
                                                                                    strict=True)]
@@ -379,12 +384,8 @@ class ZeroOptimizer(Reduction, State, OffloadStates, EngineCalls, Filling):
             self._master_grads = torch.zeros_like(self._master, device=self._master.device)
         # ZeRO-Offload: the CPU Adam reads the gradients copied to the host, writes the new parameters there
         self._host_grads, self._host_copies = self._host.views(on_host) if self._host is not None else ([], None)
-        grads = self._host_grads if self._host is not None else self._step_grads
-        for tensor, grad, (at, n) in zip(self._step_params, grads, in_master, strict=True):
-            if self._master_grads is not None:
-                tensor.grad = self._master_grads[at:at + n]
-            elif grad.dtype == tensor.dtype and grad.device == tensor.device:
-                tensor.grad = grad  # (a float32 master's fused step reads 16-bit gradients where they are)
+        self._in_master = in_master
+        self._point_step_grads()
 
         self._index_of = {id(p): i for i, p in enumerate(params)}
         link_parameters(self)  # each parameter finds its optimizer (ds_zero.safe_get_full_fp32_param & co)
@@ -398,12 +399,23 @@ class ZeroOptimizer(Reduction, State, OffloadStates, EngineCalls, Filling):
         self._accumulated = False  # a backward since the last boundary's step (stages 2-3: in the partition)
         self._offloaded: dict[str, dict[int, torch.device]] = {}  # offload_states: state -> root -> its device
         self._callback_queued = False
+        self._foreign_pass = False  # the backward now running is another optimizer's (stages 2-3: held)
         self._boundary_reduced = False  # the boundary's backward reduced every bucket
         self._global_grad_norm: float | None = None
         self.reduction_wait_s = 0.0  # seconds step() has waited for reductions (the engine's "allreduce" timer)
         self._closed = False
         if self.reduce_in_backward:
             self._hooks += [p.register_post_accumulate_grad_hook(self._on_gradient) for p in params]
+
+    def _point_step_grads(self) -> None:
+        """Each tensor the optimizer steps has its gradient slice as ``.grad`` (again: the client optimizer's
+        ``zero_grad()`` sets them to None, as DeepSpeed's ZeRO points them again at every step)."""
+        grads = self._host_grads if self._host is not None else self._step_grads
+        for tensor, grad, (at, n) in zip(self._step_params, grads, self._in_master, strict=True):
+            if self._master_grads is not None:
+                tensor.grad = self._master_grads[at:at + n]
+            elif grad.dtype == tensor.dtype and grad.device == tensor.device:
+                tensor.grad = grad  # (a float32 master's fused step reads 16-bit gradients where they are)
 
     # ------------------------------------------------------------------------------------- loop API
     @property
@@ -438,7 +450,8 @@ class ZeroOptimizer(Reduction, State, OffloadStates, EngineCalls, Filling):
             loss = loss / self.gradient_accumulation_steps
         if self.scaler is not None:
             loss = loss.float() * self.scaler.scale
-        loss.backward(retain_graph=retain_graph)
+        with GradientSlots.running(self):  # another optimizer's hooks firing in it know it is not theirs
+            loss.backward(retain_graph=retain_graph)
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -458,10 +471,12 @@ class ZeroOptimizer(Reduction, State, OffloadStates, EngineCalls, Filling):
             return False
         waited = time.perf_counter()
         self._wait_reductions()
+        self._slots.check_at_step()  # what the step would not honour is refused by name (`_grad_slots`)
         self._accumulated = False  # the next backward starts the next accumulation
         if self._host is not None:  # ZeRO-Offload: every gradient shard on the host
             self._host.finish_downloads()
         self.reduction_wait_s += time.perf_counter() - waited
+        self._point_step_grads()
         scale = self.loss_scale
         norm = self._grad_norm()  # the same value on every rank
         if self.scaler is not None:
@@ -510,15 +525,18 @@ class ZeroOptimizer(Reduction, State, OffloadStates, EngineCalls, Filling):
         self._refresh_parameters()
         return True
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the accumulated gradients (between boundaries this would drop micro-steps: it is a
-        no-op there, as the accumulation needs them)."""
+        no-op there, as the accumulation needs them). ``set_to_none`` is accepted as torch's optimizers take
+        it: at stages 0-1 each ``.grad`` stays its (zeroed) view of ZeRO's buffer, at stages 2-3 it is None."""
         if not self._last_step_was_boundary:
             return
-        if self.stage < 2:
+        if self._grads is not None:
             self._grads.zero_()
-        else:
+            self._slots.point_at_views()  # a cleared or replaced .grad: its (zeroed) view again
+        if self._partition is not None:
             self._partition.zero_()
+        if self.stage >= 2:
             for p in self._params:
                 p.grad = None
 

@@ -6,6 +6,7 @@ per step whether the gradients are averaged). A mixin: `ZeroOptimizer` owns the 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -27,7 +28,7 @@ class Reduction:
         (bf16 gradients summed in float32). Received buffers take a reduce-scatter's output when it
         cannot land in the gradient partition directly (accumulation, another dtype)."""
         buckets, comm = self.layout.buckets, self.communication_data_type
-        staged = self.stage >= 2 or comm != self.dtype
+        staged = self.stage >= 1 or comm != self.dtype  # stage 1: the local accumulation stays in .grad
         count = min(2, len(buckets)) if staged else 0
         self._bucket_buffers = [torch.zeros(max(b.padded for b in buckets), dtype=comm, device=self.device)
                                 for _ in range(count)]
@@ -43,8 +44,18 @@ class Reduction:
     def _on_gradient(self, param: torch.Tensor) -> None:
         if not self._callback_queued:
             self._callback_queued = True
+            # stages 2-3 cannot take a reduced gradient back when the user clears .grad (`_grad_slots`): what
+            # another optimizer's backward makes here waits in .grad (stages 0-1 reduce it, as DDP does)
+            self._foreign_pass = self.stage >= 2 and self._slots.foreign(self)
             torch.autograd.Variable._execution_engine.queue_callback(self._after_backward)
         index = self._index_of[id(param)]
+        if self._foreign_pass:
+            self._slots.hold(index)
+            return
+        if self.stage < 2:
+            self._slots.adopt(index)  # into ZeRO's buffer, wherever autograd put it
+        else:
+            self._slots.reduced(index)  # (reduced with its bucket, held or not)
         self._fired.add(index)
         b = self._bucket_of[id(param)]
         self._ready[b] += 1
@@ -54,13 +65,22 @@ class Reduction:
     def _after_backward(self) -> None:
         """End of a backward: buckets that still wait for a gradient are reduced now."""
         self._callback_queued = False
-        if self._reduces_now():
+        foreign, self._foreign_pass = self._foreign_pass, False
+        if self._reduces_now() and not foreign:
             self._reduce_leftovers()
+            if self.stage < 2 and self.is_gradient_accumulation_boundary:
+                # .grad holds the averaged gradients when backward returns (stage 0), as with DDP, and the next
+                # backward may accumulate into the buffer: nothing of it stays in flight
+                waited = time.perf_counter()
+                self._finish_in_flight()
+                self.reduction_wait_s += time.perf_counter() - waited
+                self._slots.boundary_landed()
         if self._stage3 is not None:
             self._stage3.after_backward()
         if self._frozen is not None:  # stage 3's frozen units gathered in this backward
             self._frozen.stage3.after_backward()
-        self._accumulated = True  # stages 2-3: the next backward's reductions add to this one's
+        if not foreign:
+            self._accumulated = True  # stages 2-3: the next backward's reductions add to this one's
         self._ready = [0] * len(self.layout.buckets)
         self._fired.clear()
         self._reduced = [False] * len(self.layout.buckets)
@@ -97,13 +117,11 @@ class Reduction:
         scale = 1.0 / self.gradient_averaging_size
         mine = self._shard_grads[b]  # this rank's reduced gradients of the bucket end up here
         if self.stage < 2:
+            self._slots.sync(bucket.slots)  # every .grad in the buffer (a replaced one copied, a cleared one zero)
             grads = self._grads[bucket.offset:bucket.offset + bucket.padded]
-            if not self._bucket_buffers:
+            if not self._bucket_buffers:  # stage 0: all-reduced in place, DDP's arithmetic
                 grads.mul_(scale)
-                if self.stage == 0:
-                    work = ds_comm.all_reduce(grads, group=group, async_op=True)
-                else:  # stage 1 needs only its shard: reduce-scatter in place (half all-reduce's traffic)
-                    work = ds_comm.reduce_scatter_bucket(grads, mine, group=group, async_op=True)
+                work = ds_comm.all_reduce(grads, group=group, async_op=True)
                 self._work.append((work, self._landed(b, None)))
                 return
             which, buffer = self._staging_buffer(bucket.padded)
@@ -113,11 +131,12 @@ class Reduction:
             for index in bucket.slots:
                 slot, param = self.layout.slots[index], self._params[index]
                 target = buffer[slot.offset - bucket.offset:][:slot.numel]
-                if param.grad is None or index not in self._fired:
+                if param.grad is None:  # (a .grad held from another optimizer's backward counts: `_grad_slots`)
                     target.zero_()
                 else:
                     torch.mul(param.grad.reshape(-1), scale, out=target)  # DDP's mul_out into its bucket
                 param.grad = None  # the full-size gradient is not needed any more
+                self._slots.reduced(index)
             if bucket.padded > bucket.numel:
                 buffer[bucket.numel:].zero_()
             if self._stage3 is not None:  # backward is done with this unit's parameters
@@ -127,7 +146,8 @@ class Reduction:
             self._buffer_work[which] = (work, self._landed(b, lambda: grads.copy_(buffer)))
             return
         # The first micro-step of an accumulation writes the shard directly when the dtypes agree;
-        # otherwise the reduce-scatter lands in a received buffer, then is copied or added.
+        # otherwise the reduce-scatter lands in a received buffer, then is copied or added. Stage 1 reduces
+        # the whole local accumulation each time (.grad keeps it): its result replaces the shard's.
         first = self.stage == 1 or not self._accumulated
         if first and mine.dtype == buffer.dtype:
             work = ds_comm.reduce_scatter_bucket(buffer, mine, group=group, async_op=True)
@@ -170,8 +190,17 @@ class Reduction:
         return which, self._bucket_buffers[which][:length]
 
     def _wait_reductions(self) -> None:
+        held = self._slots.take_held() if self.stage >= 2 and self._average_now else []
+        if held:  # gradients another optimizer's backward made and the user kept: reduced now (`_grad_slots`)
+            self._fired = set(held)
+            for b in sorted({self._bucket_of[id(self._params[i])] for i in held}):
+                self._reduce(b)
         if not self._boundary_reduced and self._average_now:  # a backward in which no hook ran
             self._reduce_leftovers()
+        if held:
+            self._accumulated = True
+            self._fired.clear()
+            self._reduced = [False] * len(self.layout.buckets)
         self._boundary_reduced = False
         self._finish_in_flight()
 

@@ -44,7 +44,7 @@ class State:
         def size(tensors) -> int:
             return sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t) and t.dim() > 0)
 
-        grads = [self._grads if self.stage < 2 else self._partition, self._master_grads]
+        grads = [self._grads, self._partition, self._master_grads]
         gathered = self._stage3.held_bytes() if self._stage3 is not None else 0  # stage 3: whole units now
         partition = self._flat.untyped_storage().nbytes()  # 0 when the parameters are on NVMe
         partition += self._frozen.nbytes() if self._frozen is not None else 0  # stage 3's frozen parameters

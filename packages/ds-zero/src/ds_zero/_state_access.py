@@ -321,10 +321,8 @@ def _gradient(zero: ZeroOptimizer, index: int, what: str) -> tuple[torch.Tensor,
     param = zero._params[index]
     if zero.stage == 0 or (zero.stage == 1 and not zero._boundary_reduced):
         return zero._grads[zero.layout.slots[index].offset:][:param.numel()], True
-    where = _where(zero, index)
-    flat = zero._grads if zero.stage == 1 else zero._partition
-    at = zero.layout.slots[index].offset + where.param_offset if zero.stage == 1 else where.in_partition
-    return flat[at:at + where.numel], False
+    where = _where(zero, index)  # stages 1-3: this rank's reduced piece, in the partition
+    return zero._partition[where.in_partition:where.in_partition + where.numel], False
 
 
 def safe_get_full_grad(param: torch.Tensor) -> torch.Tensor | None:
@@ -352,7 +350,7 @@ def safe_set_full_grad(param: torch.Tensor, value: torch.Tensor) -> None:
     whole = _value("safe_set_full_grad", value, zero.layout.slots[index].numel, "the parameter")
     grad, is_whole = _gradient(zero, index, "safe_set_full_grad")
     _gradients_changed(zero)
-    if is_whole or zero.stage == 1:  # stages 0-1 hold the whole gradient (this rank's shard reduced in it)
+    if is_whole:  # stage 0, or stage 1 before its reduction: the whole gradient
         zero._grads[zero.layout.slots[index].offset:][:whole.numel()].copy_(whole)
         return
     where = _where(zero, index)
