@@ -106,7 +106,8 @@ def _pytest(session: nox.Session, package: str, *args: str) -> None:
     # Only exit code 0 passes (nox's default, stated here on purpose): pytest's 5, "no tests ran",
     # fails the session like any other failure, since every package has tests.
     # --durations: the slowest tests in the log, to keep the whole run under its 30 minutes
-    session.run("pytest", *args, *spread, "-p", "no:cacheprovider", "--durations=8", *session.posargs,
+    # -rs: every skip with its reason (a SIMD level or a system package this machine lacks is visible)
+    session.run("pytest", *args, *spread, "-rs", "-p", "no:cacheprovider", "--durations=8", *session.posargs,
                 success_codes=[0])
 
 

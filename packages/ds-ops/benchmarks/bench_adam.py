@@ -16,8 +16,13 @@ the step), and what ``GradScaler`` does with a fused optimizer (``_amp_foreach_n
 as the inf check, then ``_fused_adamw_(grad_scale=, found_inf=)``). Gradients are restored from a
 copy before every step (untimed), so repeated unscaling never drifts into denormals.
 
-    python benchmarks/bench_adam.py [--sizes 10M,100M] [--repeats 5] [--only all|optimizers|loss-scale]
-                                    [--json out.json]
+``--only interleaved``: ``CPUAdam`` against ``torch.optim.Adam(fused=True)``, each on its own copy of
+the parameters (one tensor per size), stepping in turn, ours then torch's, ``--repeats`` rounds: the
+medians, their ratio and the median of the per-round ratios (the speed of ours relative to torch's:
+above 1 is faster). Machine drift hits both alike.
+
+    python benchmarks/bench_adam.py [--sizes 10M,100M] [--repeats 5]
+                                    [--only all|optimizers|loss-scale|interleaved] [--json out.json]
 """
 
 from __future__ import annotations
@@ -77,6 +82,30 @@ OPTIMIZERS = {
     "torch Adam (foreach)": (lambda ps: torch.optim.Adam(ps, lr=1e-3), 28),
     "torch Adam (fused)": (lambda ps: torch.optim.Adam(ps, lr=1e-3, fused=True), 28),
 }
+
+
+def bench_interleaved(n: int, repeats: int) -> dict:
+    """CPUAdam and torch's fused Adam stepping in turn on two copies of n parameters (fp32, one tensor)."""
+    ours_p, torch_p = make_params(n, 1), make_params(n, 1)
+    ours, theirs = ds_ops.CPUAdam(ours_p, lr=1e-3), torch.optim.Adam(torch_p, lr=1e-3, fused=True)
+    ours.step()  # creates the states, pages in every buffer
+    theirs.step()
+    times = {"ds CPUAdam": [], "torch Adam (fused)": []}
+    for _ in range(repeats):
+        for name, optimizer in (("ds CPUAdam", ours), ("torch Adam (fused)", theirs)):
+            start = time.perf_counter()
+            optimizer.step()
+            times[name].append(time.perf_counter() - start)
+    ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+    per_round = statistics.median(t / o for o, t in zip(times["ds CPUAdam"], times["torch Adam (fused)"], strict=True))
+    speed = ms["torch Adam (fused)"] / ms["ds CPUAdam"]
+    print(f"\n{n / 1e6:.0f}M fp32 parameters, CPUAdam and torch Adam(fused=True) in turn, {repeats} rounds "
+          f"(simd {ds_ops.op_builder.CPUAdamBuilder().load().simd_level()})")
+    for name, value in ms.items():
+        print(f"  {name:<24}{value:>10.1f} ms (median)   {28 * n / (value / 1e3) / 1e9:>6.1f} GB/s")
+    print(f"  CPUAdam speed relative to torch fused: {speed:.3f}x (ratio of medians), {per_round:.3f}x (median of "
+          f"per-round ratios)")
+    return {"params": n, "ms": ms, "speed_ratio": speed, "per_round_speed_ratio": per_round}
 
 
 def time_steps(optimizer, repeats: int) -> float:
@@ -176,11 +205,17 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sizes", default="10M,100M")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--only", choices=("all", "optimizers", "loss-scale"), default="all")
+    parser.add_argument("--only", choices=("all", "optimizers", "loss-scale", "interleaved"), default="all")
     parser.add_argument("--json", dest="json_path")
     args = parser.parse_args()
     torch.set_num_threads(THREADS)
     sizes = [parse_size(s) for s in args.sizes.split(",")]
+    if args.only == "interleaved":
+        rows = [bench_interleaved(n, args.repeats) for n in sizes]
+        if args.json_path:
+            Path(args.json_path).write_text(json.dumps({"bench": "adam-interleaved", "threads": THREADS,
+                                                        "results": rows}, indent=2))
+        return
     cases = [(n, 1) for n in sizes] + [(n, 100) for n in sizes if n >= 100_000_000]
     limit = rmw_bandwidth(max(sizes), args.repeats)
     print(f"bench_adam: {THREADS} threads, median of {args.repeats} steps; read-modify-write limit "

@@ -4,12 +4,35 @@
 #pragma once
 
 #include <omp.h>
+#if defined(__SSE__)
+#include <xmmintrin.h>
+#endif
 
 #include <algorithm>
 #include <cstdint>
 #include <vector>
 
 namespace ds {
+
+// The denormal policy of every kernel (README, "Denormals"): IEEE subnormals, in and out, whatever
+// the flush modes of the thread that runs it. MXCSR is per thread: torch.set_flush_denormal(True)
+// sets flush-to-zero and denormals-are-zero in the thread that calls it, and an OpenMP worker keeps
+// whatever it inherited when it was made, so the same kernel could flush on one call path and not
+// on another. Each thread of a kernel clears both bits for its work and restores them after.
+struct IeeeDenormals {
+#if defined(__SSE__)
+  static constexpr unsigned kFlushBits = 0x8040U;  // FTZ (bit 15) and DAZ (bit 6)
+  unsigned saved;
+  IeeeDenormals() : saved(_mm_getcsr()) {
+    if (saved & kFlushBits) _mm_setcsr(saved & ~kFlushBits);
+  }
+  ~IeeeDenormals() {
+    if (saved & kFlushBits) _mm_setcsr(saved);
+  }
+  IeeeDenormals(const IeeeDenormals&) = delete;
+  IeeeDenormals& operator=(const IeeeDenormals&) = delete;
+#endif
+};
 
 // Below this many elements a step runs on one thread: waking threads costs more than it saves.
 constexpr int64_t kSerialBelow = 1 << 15;
@@ -28,11 +51,13 @@ void parallel_over(const std::vector<int64_t>& sizes, int num_threads, F&& fn) {
     }
   };
   if (num_threads <= 1 || total < kSerialBelow) {
+    const IeeeDenormals ieee;
     run_range(0, total);
     return;
   }
 #pragma omp parallel num_threads(num_threads)
   {
+    const IeeeDenormals ieee;
     const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
     auto cut = [&](int64_t k) { return k >= nt ? total : std::min(total, (total * k / nt) / kAlign * kAlign); };
     run_range(cut(tid), cut(tid + 1));
@@ -46,6 +71,7 @@ std::vector<double> parallel_sum(int64_t n, int num_threads, int num_sums, F&& f
   std::vector<double> partial(static_cast<size_t>(nt) * num_sums, 0.0);
 #pragma omp parallel num_threads(nt)
   {
+    const IeeeDenormals ieee;
     const int64_t t = omp_get_thread_num(), count = omp_get_num_threads();
     const int64_t lo = (n * t / count) / kAlign * kAlign;
     const int64_t hi = t + 1 == count ? n : (n * (t + 1) / count) / kAlign * kAlign;

@@ -275,6 +275,7 @@ void check_chunk(const char* what, int64_t chunks, int64_t chunk) {
 
 void onebit_compress(int64_t x, int64_t n, int64_t values, int64_t scales, int64_t chunks, int64_t chunk,
                      int64_t frames, int num_threads) {
+  const IeeeDenormals ieee;  // the caller's thread too (parallel.h)
   check_chunk("onebit_compress", chunks, chunk);
   if (n < 0 || n > chunks * chunk)
     throw std::invalid_argument("onebit_compress: n must be in [0, chunks * chunk], got " + std::to_string(n));
@@ -284,6 +285,7 @@ void onebit_compress(int64_t x, int64_t n, int64_t values, int64_t scales, int64
 
 void onebit_average(int64_t frames, int64_t world, int64_t chunk, int64_t values, int64_t scale, int64_t out_frame,
                     int num_threads) {
+  const IeeeDenormals ieee;  // the caller's thread too (parallel.h)
   check_chunk("onebit_average", world, chunk);
   const uint8_t* in = as_ptr<const uint8_t>(frames);
   const int64_t stride = frame_bytes(chunk);
@@ -305,6 +307,7 @@ void onebit_average(int64_t frames, int64_t world, int64_t chunk, int64_t values
 }
 
 void onebit_decompress(int64_t frames, int64_t chunks, int64_t chunk, int64_t out, int64_t n, int num_threads) {
+  const IeeeDenormals ieee;  // the caller's thread too (parallel.h)
   check_chunk("onebit_decompress", chunks, chunk);
   if (n < 0 || n > chunks * chunk)
     throw std::invalid_argument("onebit_decompress: n must be in [0, chunks * chunk], got " + std::to_string(n));

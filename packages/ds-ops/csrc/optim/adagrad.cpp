@@ -29,6 +29,7 @@ int64_t adagrad_span(float* p, const G* g, S* sum, int64_t i, int64_t end, float
 void adagrad_update(const Pointers& params, const Pointers& grads, const Pointers& sums, const Sizes& sizes,
                     int grad_dtype, int state_dtype, float clr, float eps, float weight_decay, uint32_t seed,
                     int num_threads) {
+  const IeeeDenormals ieee;  // the caller's thread too (parallel.h)
   with_dtype(grad_dtype, "gradient", [&](auto gtag) {
     with_state_dtype(state_dtype, [&](auto stag) {
       using G = Elem<decltype(gtag)>;

@@ -55,7 +55,8 @@ inline void adam_vector(P* p, const G* g, S* m, S* v, O* out, const AdamVectors<
   if (c.decoupled) param = B::mul(param, c.decay);
   V mm = B::load(m), vv = B::load(v);
   mm = B::fmadd(B::sub(grad, mm), c.beta1c, mm);
-  vv = B::fmadd(B::mul(grad, grad), c.beta2c, B::mul(vv, c.beta2));
+  // ((1-b2)*g)*g, torch's order: g*g first would overflow to inf for |g| > 1.8e19, where torch's does not
+  vv = B::fmadd(B::mul(grad, c.beta2c), grad, B::mul(vv, c.beta2));
   // With bf16 states (8-bit mantissas) the 12-14-bit hardware estimates are exact enough; with
   // fp32 states one Newton step brings them to ~2^-22.
   V denom, ratio;
@@ -140,6 +141,7 @@ int64_t finite_span(const G* g, int64_t i, int64_t end, float multiplier, std::a
 }  // namespace
 
 bool all_finite(const Pointers& grads, const Sizes& sizes, int grad_dtype, float multiplier, int num_threads) {
+  const IeeeDenormals ieee;  // the caller's thread too (parallel.h)
   std::atomic<bool> bad{false};
   with_dtype(grad_dtype, "gradient", [&](auto gtag) {
     using G = Elem<decltype(gtag)>;
@@ -156,6 +158,7 @@ bool adam_update(const Pointers& params, const Pointers& grads, const Pointers& 
                  const Pointers& exp_avg_sq, const Pointers& outs, const Sizes& sizes, int param_dtype,
                  int grad_dtype, int state_dtype, int out_dtype, const AdamArgs& args, uint32_t seed,
                  int num_threads) {
+  const IeeeDenormals ieee;  // the caller's thread too (parallel.h)
   std::atomic<bool> nonfinite{false};
   // P, G, S, O: the element types of parameters, gradients, states and the 16-bit copy
   auto run = [&](auto ptag, auto gtag, auto stag, auto otag) {

@@ -45,7 +45,7 @@ int64_t lamb_moments(const float* p, const G* g, S* m, S* v, int64_t i, int64_t 
       const V grad = B::mul(B::load(g + i), c.scale);
       V mm = B::load(m + i), vv = B::load(v + i);
       mm = B::fmadd(B::sub(grad, mm), c.b1c, mm);
-      vv = B::fmadd(B::mul(grad, grad), c.b2c, B::mul(vv, c.b2));
+      vv = B::fmadd(B::mul(grad, c.b2c), grad, B::mul(vv, c.b2));  // torch's order (adam.cpp)
       const auto noise = rounding.noise();
       store_state<B>(m, i, mm, B::low16(noise));
       store_state<B>(v, i, vv, B::high16(noise));
@@ -76,6 +76,7 @@ int64_t lamb_apply(float* p, const S* m, const S* v, int64_t i, int64_t end, con
 std::vector<float> lamb_update(const Pointers& params, const Pointers& grads, const Pointers& exp_avg,
                                const Pointers& exp_avg_sq, const Sizes& sizes, int grad_dtype, int state_dtype,
                                const LambArgs& args, uint32_t seed, int num_threads) {
+  const IeeeDenormals ieee;  // the caller's thread too (parallel.h)
   std::vector<float> trust(sizes.size(), 1.f);
   with_dtype(grad_dtype, "gradient", [&](auto gtag) {
     with_state_dtype(state_dtype, [&](auto stag) {

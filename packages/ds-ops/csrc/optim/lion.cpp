@@ -9,16 +9,18 @@ namespace ds {
 namespace {
 
 template <class B, class P, class G, class S>
-int64_t lion_span(P* p, const G* g, S* m, int64_t i, int64_t end, float lr, float beta1, float beta2,
-                  float weight_decay, uint32_t seed) {
+int64_t lion_span(P* p, const G* g, S* m, int64_t i, int64_t end, double lr, double beta1, double beta2,
+                  double weight_decay, uint32_t seed) {
   using V = typename B::V;
-  const V b1 = B::set1(beta1), b1c = B::set1(1.f - beta1), b2 = B::set1(beta2), b2c = B::set1(1.f - beta2);
-  const V vlr = B::set1(lr), decay = B::set1(1.f - lr * weight_decay);
+  // the constants in double, rounded once (as torch's Python floats): 1 - 0.99f is 1e-6 off 0.01
+  auto f = [](double x) { return B::set1(static_cast<float>(x)); };
+  const V b1 = f(beta1), b1c = f(1.0 - beta1), b2 = f(beta2), b2c = f(1.0 - beta2);
+  const V vlr = f(lr), decay = f(1.0 - lr * weight_decay);
   StateNoise<B, S> rounding(i, seed);
   for (; i + B::W <= end; i += B::W, rounding.advance()) {
     V param = B::load(p + i);
     const V grad = B::load(g + i), mm = B::load(m + i);
-    if (weight_decay != 0.f) param = B::mul(param, decay);
+    if (weight_decay != 0.0) param = B::mul(param, decay);
     const V direction = B::sign(B::fmadd(grad, b1c, B::mul(mm, b1)));
     B::store(p + i, B::fnmadd(direction, vlr, param));
     store_state<B>(m, i, B::fmadd(grad, b2c, B::mul(mm, b2)), B::low16(rounding.noise()));
@@ -29,8 +31,9 @@ int64_t lion_span(P* p, const G* g, S* m, int64_t i, int64_t end, float lr, floa
 }  // namespace
 
 void lion_update(const Pointers& params, const Pointers& grads, const Pointers& exp_avg, const Sizes& sizes,
-                 int param_dtype, int grad_dtype, int state_dtype, float lr, float beta1, float beta2,
-                 float weight_decay, uint32_t seed, int num_threads) {
+                 int param_dtype, int grad_dtype, int state_dtype, double lr, double beta1, double beta2,
+                 double weight_decay, uint32_t seed, int num_threads) {
+  const IeeeDenormals ieee;  // the caller's thread too (parallel.h)
   // P, G, S: the element types of parameters, gradients and the momentum
   auto run = [&](auto ptag, auto gtag, auto stag) {
     using P = Elem<decltype(ptag)>;

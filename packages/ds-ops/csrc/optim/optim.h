@@ -41,8 +41,8 @@ void adagrad_update(const Pointers& params, const Pointers& grads, const Pointer
 // Lion: p = p*(1 - lr*wd) - lr*sign(b1*m + (1-b1)*g); m = b2*m + (1-b2)*g. Parameters are fp32
 // (gradients of any dtype) or fp16/bf16 (gradients of their dtype; float32 math, stored rounded to nearest).
 void lion_update(const Pointers& params, const Pointers& grads, const Pointers& exp_avg, const Sizes& sizes,
-                 int param_dtype, int grad_dtype, int state_dtype, float lr, float beta1, float beta2,
-                 float weight_decay, uint32_t seed, int num_threads);
+                 int param_dtype, int grad_dtype, int state_dtype, double lr, double beta1, double beta2,
+                 double weight_decay, uint32_t seed, int num_threads);
 
 struct LambArgs {
   float lr, beta1, beta2, eps, weight_decay, bias_correction1, bias_correction2, max_coeff, min_coeff;

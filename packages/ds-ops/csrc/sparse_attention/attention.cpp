@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "dtype.h"
+#include "parallel.h"
 #include "simd.h"
 
 namespace ds {
@@ -238,6 +239,7 @@ void forward(const Dense& qd, const Dense& kd, const Dense& vd, const Dense& od,
   const float* bias = as_ptr<const float>(masks[2]);
 #pragma omp parallel num_threads(num_threads)
   {
+    const IeeeDenormals ieee;  // the denormal policy (parallel.h)
     std::vector<float> qs(d.blk * d.D), acc(d.blk * d.Dp), tmp(d.blk * d.D);
     std::vector<float> local(probs ? 0 : L.max_row * d.bb);
     std::vector<V> vec(2 * d.blk);  // the softmax's row maxima and sums
@@ -307,6 +309,7 @@ void backward(const Dense& qd, const Dense& kd, const Dense& vd, const Dense& do
   }
 #pragma omp parallel num_threads(num_threads)
   {
+    const IeeeDenormals ieee;
     std::vector<float> acc(d.blk * d.Dp), tmp(d.blk * d.Dp), dp(L.max_row * d.bb);
     std::vector<V> vec(d.blk);
     for (int64_t bh = 0; bh < d.batch * d.heads; ++bh) {
@@ -375,6 +378,7 @@ void check(const Shape& shape, int num_threads) {
 void sparse_attention_forward(const Dense& q, const Dense& k, const Dense& v, const Dense& out, int64_t probs,
                               const Shape& shape, const Layout& layout, const Masks& masks, float scale,
                               bool causal, int dtype, int num_threads) {
+  const IeeeDenormals ieee;  // the caller's thread too (parallel.h)
   check(shape, num_threads);
   const Dims d(shape);
   const Blocks L(layout, d.nb);
@@ -386,6 +390,7 @@ void sparse_attention_forward(const Dense& q, const Dense& k, const Dense& v, co
 void sparse_attention_backward(const Dense& q, const Dense& k, const Dense& v, const Dense& grad_out,
                                const Dense& grad_q, const Dense& grad_k, const Dense& grad_v, int64_t probs,
                                const Shape& shape, const Layout& layout, float scale, int dtype, int num_threads) {
+  const IeeeDenormals ieee;  // the caller's thread too (parallel.h)
   check(shape, num_threads);
   if (probs == 0) throw std::invalid_argument("sparse attention backward: the forward's probabilities are missing");
   const Dims d(shape);
