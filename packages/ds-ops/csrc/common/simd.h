@@ -141,6 +141,8 @@ struct Scalar {
   static V rcp_fast(V a) { return 1.f / a; }
   static V sqrt_coarse(V a) { return std::sqrt(a); }
   static V rcp_coarse(V a) { return 1.f / a; }
+  static bool estimates_serve(V) { return true; }  // exact here
+  static bool coarse_estimates_serve(V) { return true; }
   static V sign(V a) { return a > 0.f ? 1.f : (a < 0.f ? -1.f : 0.f); }
   static float sum(V a) { return a; }
   static V max(V a, V b) { return a > b ? a : b; }
@@ -206,38 +208,32 @@ struct Avx512 {
   static V sqrt(V a) { return _mm512_sqrt_ps(a); }
   // sqrt and 1/x from the 14-bit estimates plus one Newton step (about 2^-22 relative error):
   // a few cycles per vector instead of the divider's 10-12, which bounds a memory-bound kernel.
-  // The denormal policy (README, "Denormals"): IEEE results on the whole range, subnormals in and
-  // out. The Newton step is ordered so that it overflows nowhere: y*(1.5 - (a/2*y)*y), not
-  // y*(1.5 - a/2*(y*y)), whose y*y is inf once a < 2^-126 (a subnormal a then gave nan). Lanes
-  // the estimate cannot serve (0, inf, nan, negative; for 1/x also results that overflow) are
-  // recomputed by the exact instruction: a branch that normal data never takes.
+  // The estimates serve a range (`estimates_serve`), and a kernel takes the exact instructions for a
+  // vector with a lane outside it (README, "Denormals"). sqrt_fast: 0 <= a <= FLT_MAX, subnormals
+  // included: the Newton step is ordered to overflow nowhere, y*(1.5 - (a/2*y)*y); the former
+  // y*(1.5 - a/2*(y*y)) squared y = 1/sqrt(a) to inf for every a < 2^-126, and gave nan. rcp_fast:
+  // FLT_MIN <= a <= FLT_MAX.
   static V sqrt_fast(V a) {
     const V y = _mm512_rsqrt14_ps(a);
     const V half_a_y = _mm512_mul_ps(_mm512_mul_ps(a, _mm512_set1_ps(0.5f)), y);
     const V refined = _mm512_mul_ps(y, _mm512_fnmadd_ps(half_a_y, y, _mm512_set1_ps(1.5f)));
-    return exact_sqrt_where_special(a, _mm512_mul_ps(a, refined));
+    return _mm512_maskz_mul_ps(_mm512_cmp_ps_mask(a, _mm512_setzero_ps(), _CMP_GT_OQ), a, refined);
   }
   static V rcp_fast(V a) {
     const V y = _mm512_rcp14_ps(a);
-    return exact_rcp_where_special(a, _mm512_mul_ps(y, _mm512_fnmadd_ps(a, y, _mm512_set1_ps(2.f))));
+    return _mm512_mul_ps(y, _mm512_fnmadd_ps(a, y, _mm512_set1_ps(2.f)));
   }
-  // the bare 14-bit estimates, for results stored in bf16 (8-bit mantissa) anyway
-  static V sqrt_coarse(V a) { return exact_sqrt_where_special(a, _mm512_mul_ps(a, _mm512_rsqrt14_ps(a))); }
-  static V rcp_coarse(V a) { return exact_rcp_where_special(a, _mm512_rcp14_ps(a)); }
-  // r estimates sqrt(a): a zero keeps its sign (sqrt(-0) = -0, the estimate's 0*inf is nan); lanes
-  // where r is not finite (a is inf, nan or negative) get the exact square root
-  static V exact_sqrt_where_special(V a, V r) {
-    r = _mm512_mask_mov_ps(r, _mm512_cmp_ps_mask(a, _mm512_setzero_ps(), _CMP_EQ_OQ), a);
-    const __mmask16 special = not_finite(r);
-    return special ? _mm512_mask_sqrt_ps(r, special, a) : r;
+  // the bare 14-bit estimates, for results stored in bf16 (8-bit mantissa) anyway; the same ranges
+  static V sqrt_coarse(V a) {
+    return _mm512_maskz_mul_ps(_mm512_cmp_ps_mask(a, _mm512_setzero_ps(), _CMP_GT_OQ), a, _mm512_rsqrt14_ps(a));
   }
-  static V exact_rcp_where_special(V a, V r) {
-    const __mmask16 special = not_finite(r);
-    return special ? _mm512_mask_div_ps(r, special, _mm512_set1_ps(1.f), a) : r;
+  static V rcp_coarse(V a) { return _mm512_rcp14_ps(a); }
+  // whether every lane is in the range sqrt_fast and sqrt_coarse serve: +0, subnormal or a finite
+  // positive number (as unsigned bits: at most FLT_MAX's; -0, negatives, inf and nan are above)
+  static bool estimates_serve(V a) {
+    return _mm512_cmple_epu32_mask(_mm512_castps_si512(a), _mm512_set1_epi32(0x7f7fffff)) == 0xffff;
   }
-  static __mmask16 not_finite(V r) {  // r - r is nan exactly for inf and nan
-    return _mm512_cmp_ps_mask(_mm512_sub_ps(r, r), _mm512_setzero_ps(), _CMP_NEQ_UQ);
-  }
+  static bool coarse_estimates_serve(V a) { return estimates_serve(a); }
   static V sign(V a) {
     __mmask16 pos = _mm512_cmp_ps_mask(a, _mm512_setzero_ps(), _CMP_GT_OQ);
     __mmask16 neg = _mm512_cmp_ps_mask(a, _mm512_setzero_ps(), _CMP_LT_OQ);
@@ -318,21 +314,21 @@ struct Avx2 {
   static V sqrt(V a) { return _mm256_sqrt_ps(a); }
   static V sqrt_fast(V a) { return _mm256_sqrt_ps(a); }  // the 12-bit estimates need two Newton steps
   static V rcp_fast(V a) { return _mm256_div_ps(_mm256_set1_ps(1.f), a); }
-  // The 12-bit estimates (bf16 states). The legacy RSQRTPS/RCPPS give inf for inputs below about
-  // 2^-126 (a subnormal's square root came out inf); as in Avx512, lanes where the estimate is not
-  // finite are recomputed by the exact instruction, and a zero keeps its sign.
   static V sqrt_coarse(V a) {
-    V r = _mm256_mul_ps(a, _mm256_rsqrt_ps(a));
-    r = _mm256_blendv_ps(r, a, _mm256_cmp_ps(a, _mm256_setzero_ps(), _CMP_EQ_OQ));
-    const V special = not_finite(r);
-    return _mm256_movemask_ps(special) ? _mm256_blendv_ps(r, _mm256_sqrt_ps(a), special) : r;
+    const V positive = _mm256_cmp_ps(a, _mm256_setzero_ps(), _CMP_GT_OQ);
+    return _mm256_and_ps(positive, _mm256_mul_ps(a, _mm256_rsqrt_ps(a)));
   }
-  static V rcp_coarse(V a) {
-    const V r = _mm256_rcp_ps(a);
-    const V special = not_finite(r);
-    return _mm256_movemask_ps(special) ? _mm256_blendv_ps(r, _mm256_div_ps(_mm256_set1_ps(1.f), a), special) : r;
+  static V rcp_coarse(V a) { return _mm256_rcp_ps(a); }
+  static bool estimates_serve(V) { return true; }  // sqrt_fast and rcp_fast are exact here
+  // The legacy RSQRTPS/RCPPS answer inf for inputs below about 2^-126 (a subnormal's square root came
+  // out inf): the coarse estimates serve +0 and 2^-125 <= a <= FLT_MAX (as unsigned bits).
+  static bool coarse_estimates_serve(V a) {
+    const __m256i bits = _mm256_castps_si256(a);
+    const __m256i above = _mm256_cmpgt_epi32(_mm256_set1_epi32(0x01000000), bits);  // bits < 2^-125's (or negative)
+    const __m256i huge = _mm256_cmpgt_epi32(bits, _mm256_set1_epi32(0x7f7fffff));  // inf, nan
+    const __m256i zero = _mm256_cmpeq_epi32(bits, _mm256_setzero_si256());
+    return _mm256_testz_si256(_mm256_andnot_si256(zero, _mm256_or_si256(above, huge)), _mm256_set1_epi32(-1));
   }
-  static V not_finite(V r) { return _mm256_cmp_ps(_mm256_sub_ps(r, r), _mm256_setzero_ps(), _CMP_NEQ_UQ); }
   static V sign(V a) {
     V pos = _mm256_and_ps(_mm256_cmp_ps(a, _mm256_setzero_ps(), _CMP_GT_OQ), _mm256_set1_ps(1.f));
     V neg = _mm256_and_ps(_mm256_cmp_ps(a, _mm256_setzero_ps(), _CMP_LT_OQ), _mm256_set1_ps(1.f));

@@ -31,12 +31,16 @@ struct AdamVectors {
   using V = typename B::V;
   V multiplier, zero, beta1c, beta2, beta2c, l2, decay, inv_bc2_sqrt, eps, step_size;
   bool l2_decay, decoupled;
+  // 1/denom's estimates serve denominators of at least 2^-125 (denom >= eps), and denominators stay
+  // far below their upper limit (sqrt(FLT_MAX) / sqrt(1 - beta2)); a smaller eps takes exact division
+  bool estimates;
   explicit AdamVectors(const AdamArgs& a)
       : multiplier(f(a.grad_multiplier)), zero(B::set1(0.f)), beta1c(f(1.0 - a.beta1)), beta2(f(a.beta2)),
         beta2c(f(1.0 - a.beta2)), l2(f(a.adamw ? 0.0 : a.weight_decay)),
         decay(f(a.adamw ? 1.0 - a.lr * a.weight_decay : 1.0)), inv_bc2_sqrt(f(1.0 / std::sqrt(a.bias_correction2))),
         eps(f(a.eps)), step_size(f(a.lr / a.bias_correction1)),
-        l2_decay(!a.adamw && a.weight_decay != 0.0), decoupled(a.adamw && a.weight_decay != 0.0) {}
+        l2_decay(!a.adamw && a.weight_decay != 0.0), decoupled(a.adamw && a.weight_decay != 0.0),
+        estimates(static_cast<float>(a.eps) >= 0x1p-125f && a.bias_correction2 >= 1e-30) {}
   static V f(double x) { return B::set1(static_cast<float>(x)); }
 };
 
@@ -58,14 +62,27 @@ inline void adam_vector(P* p, const G* g, S* m, S* v, O* out, const AdamVectors<
   // ((1-b2)*g)*g, torch's order: g*g first would overflow to inf for |g| > 1.8e19, where torch's does not
   vv = B::fmadd(B::mul(grad, c.beta2c), grad, B::mul(vv, c.beta2));
   // With bf16 states (8-bit mantissas) the 12-14-bit hardware estimates are exact enough; with
-  // fp32 states one Newton step brings them to ~2^-22.
+  // fp32 states one Newton step brings them to ~2^-22. A vector with a second moment the estimates
+  // do not serve (inf, nan, negative; AVX2's coarse ones: subnormal), or any vector when eps is too
+  // small for 1/denom's estimate, takes the exact instructions: the denormal policy (README), at the
+  // cost of one compare per vector on ordinary data.
   V denom, ratio;
   if constexpr (std::is_same_v<S, bf16>) {
-    denom = B::fmadd(B::sqrt_coarse(vv), c.inv_bc2_sqrt, c.eps);
-    ratio = B::mul(mm, B::rcp_coarse(denom));
+    if (c.estimates && B::coarse_estimates_serve(vv)) {
+      denom = B::fmadd(B::sqrt_coarse(vv), c.inv_bc2_sqrt, c.eps);
+      ratio = B::mul(mm, B::rcp_coarse(denom));
+    } else {
+      denom = B::fmadd(B::sqrt(vv), c.inv_bc2_sqrt, c.eps);
+      ratio = B::div(mm, denom);
+    }
   } else {
-    denom = B::fmadd(B::sqrt_fast(vv), c.inv_bc2_sqrt, c.eps);
-    ratio = B::mul(mm, B::rcp_fast(denom));
+    if (c.estimates && B::estimates_serve(vv)) {
+      denom = B::fmadd(B::sqrt_fast(vv), c.inv_bc2_sqrt, c.eps);
+      ratio = B::mul(mm, B::rcp_fast(denom));
+    } else {
+      denom = B::fmadd(B::sqrt(vv), c.inv_bc2_sqrt, c.eps);
+      ratio = B::div(mm, denom);
+    }
   }
   param = B::fnmadd(ratio, c.step_size, param);
   B::store(p, param);
