@@ -272,3 +272,33 @@ def test_the_cost_of_a_two_rank_spawn(capsys):
     seconds = time.monotonic() - start
     with capsys.disabled():
         print(f"\n[ds_comm.testing] one 2-rank spawn (interpreters, torch import, gloo init, teardown): {seconds:.2f} s")
+
+
+def remade_groups_pair_with_each_other(rank, world, cycles, rank_zero_late):
+    """The default group destroyed and made again `cycles` times on the same MASTER_PORT; each all-reduce must
+    sum over the ranks' new group."""
+    kept = []
+    for cycle in range(cycles):
+        if rank_zero_late:  # rank 0 still tears the previous group down while rank 1 makes the next
+            ds_comm.barrier()
+            if rank == 0:
+                time.sleep(1.0)
+            torch.distributed.destroy_process_group()
+        else:  # the previous group outlives destroy (as in a destroyed engine the caller still names)
+            kept.append(torch.distributed.group.WORLD)
+            ds_comm.destroy_process_group()
+        ds_comm.init_distributed()
+        t = torch.full((3,), float(rank + 1 + cycle))
+        ds_comm.all_reduce(t)
+        assert t.tolist() == [sum(r + 1 + cycle for r in range(world))] * 3, (cycle, t)
+    return cycles
+
+
+@pytest.mark.parametrize("rank_zero_late", [False, True], ids=["previous-group-kept", "rank-0-late"])
+def test_a_group_made_again_on_the_same_port_pairs_its_own_ranks(rank_zero_late):
+    """A remade group's store used to be the previous one's server (torch makes it multi-tenant) with its
+    keys: a rank paired with its peer's previous group and hung (issue 41, the 3rd `initialize` after
+    `destroy()`), or connected to a server closing under it. Each generation now has keys of its own."""
+    cycles = 3 if rank_zero_late else 6
+    assert spawn(remade_groups_pair_with_each_other, world_size=2, args=(cycles, rank_zero_late),
+                 timeout=60) == [cycles, cycles]

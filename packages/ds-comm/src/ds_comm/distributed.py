@@ -13,12 +13,14 @@ import logging
 import os
 import re
 import sys
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.rendezvous import rendezvous as _rendezvous
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +38,7 @@ _teardown_callbacks: list[Callable[[], None]] = []
 _group_timeout: timedelta | None = None  # the timeout the default group was made with (NCCL's watchdog acts at it)
 _exit_hook_registered = False
 _broken: str | None = None  # why the group cannot be used any more (a diagnosed hang), or None
+_generation = 0  # default groups init_distributed has made in this process (the same count on every rank)
 
 
 def first_slurm_host(nodelist: str) -> str:
@@ -112,11 +115,48 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
     # NCCL: ``timeout`` is also its watchdog's limit; a collective running past it takes the process
     # down (torch's TORCH_NCCL_ASYNC_ERROR_HANDLING, left as the user set it). The comms logger's
     # hang diagnosis waits with its own, shorter limit (see ds_comm.logger).
-    dist.init_process_group(backend, init_method=init_method, timeout=timeout, rank=rank, world_size=world_size)
+    if backend == "mpi":  # MPI brings its own rendezvous: no store
+        dist.init_process_group(backend, timeout=timeout, rank=rank, world_size=world_size)
+    else:
+        dist.init_process_group(backend, store=_generation_store(init_method, rank, world_size, timeout),
+                                timeout=timeout, rank=rank, world_size=world_size)
     _group_timeout = timeout
     _register_exit_hook()
     if verbose:
         logger.info("ds_comm: rank %d of %d initialised (%s)", rank, world_size, backend)
+
+
+def _generation_store(init_method: str, rank: int, world_size: int, timeout: timedelta) -> Any:
+    """The store of a new default group, in a namespace of its own: this process's `_generation`-th.
+
+    A group made again after `destroy_process_group` (an `initialize` after `destroy()`) meets the same
+    address and port, and torch makes the group's store there multi-tenant: while anything still holds
+    the previous group (a destroyed engine the caller still names, an optimizer, a cached subgroup),
+    rank 0's new store silently joins the previous one's server, keys and all, and the new group is
+    named "0" again. A rank would read its peer's previous gloo address and pair with that dead
+    generation's context while the peer waits for it: a hang in `init_process_group` or in the first
+    collective. Here each generation's keys live under their own prefix, and the other ranks wait
+    until rank 0 has announced this generation on the server they reached: one that closes under them
+    (rank 0 was still tearing the previous group down) is left for a fresh connection."""
+    global _generation
+    _generation += 1
+    announced = f"ds_comm/generation/{_generation}"
+    deadline = time.monotonic() + timeout.total_seconds()
+    while True:
+        store, _, _ = next(_rendezvous(init_method, rank, world_size, timeout=timeout))
+        store.set_timeout(timeout)
+        if rank == 0:
+            store.set(announced, "1")
+            break
+        try:
+            store.wait([announced])
+            break
+        except dist.DistNetworkError:  # the previous generation's server, closed by rank 0 meanwhile
+            if time.monotonic() >= deadline:
+                raise
+            del store
+            time.sleep(0.05)
+    return dist.PrefixStore(f"ds_comm/{_generation}/default_pg", store)
 
 
 def _default_backend(dist_backend: str | None = None) -> str:
