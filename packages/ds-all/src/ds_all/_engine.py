@@ -529,6 +529,10 @@ class DeepSpeedEngine(EngineAPI, nn.Module):
         if self._owns_process_group and ds_comm.is_initialized():
             ds_comm.destroy_process_group()
             _moe.forget_expert_groups()  # they went with it; a later initialize makes its own
+            # dead handles; held, they would keep the group's store serving on MASTER_PORT and its gloo
+            # threads running for as long as the caller names this engine (into the next initialize)
+            self.data_parallel_group = self.seq_data_parallel_group = self.seq_parallel_group = None
+            self._dp_group = self.mpu = None
         self._owns_process_group = False
         if self._gc_disabled:
             _python_gc_enable()
