@@ -185,10 +185,11 @@ def memory(rank, world_size, precision):
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_model_state_memory_is_at_the_zero_formulas_in_16_bits(precision):
-    # Psi * (2 + 2 + 12), (2 + 2 + 12/N), (2 + (2 + 12)/N): 16-bit params and grads, float32 master
-    # (4) and Adam states (8), partitioned as the stage says
+    # Psi * (2 + 2 + 12), (2 + 2 + (2 + 12)/N), (2 + (2 + 12)/N): 16-bit params and grads, float32 master
+    # (4) and Adam states (8), partitioned as the stage says; stage 1 keeps the local gradients in .grad
+    # and its averaged 16-bit shard apart (a second backward before the step: DCGAN), as test_zero_api
     n = 2
-    formula = {0: (2, 2, 4, 8), 1: (2, 2, 4 / n, 8 / n), 2: (2, 2 / n, 4 / n, 8 / n)}
+    formula = {0: (2, 2, 4, 8), 1: (2, 2 + 2 / n, 4 / n, 8 / n), 2: (2, 2 / n, 4 / n, 8 / n)}
     for by_stage, psi in spawn(memory, world_size=2, args=(precision,)):
         for stage, per_kind in formula.items():
             estimate = estimate_zero_model_states_mem_needs(psi, stage=stage, world_size=n, precision=precision)
@@ -197,7 +198,7 @@ def test_model_state_memory_is_at_the_zero_formulas_in_16_bits(precision):
                 assert abs(got - psi * per_param) <= 0.01 * psi * per_param, (stage, kind, got, psi * per_param)
                 assert abs(got - estimate[kind]) <= 0.01 * estimate[kind], (stage, kind, got, estimate)
         totals = [sum(by_stage[s][k] for k in ("params", "grads", "master", "optimizer")) / psi for s in (0, 1, 2)]
-        assert [round(t) for t in totals] == [16, 10, 9]
+        assert [round(t) for t in totals] == [16, 11, 9]
 
 
 def overflow(rank, world_size, stage):
