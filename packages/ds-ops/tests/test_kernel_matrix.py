@@ -155,6 +155,24 @@ def assert_ieee_close(actual: torch.Tensor, expected: torch.Tensor, rtol: float,
                               f"{expected[finite][bad[0]].item()!r}")
 
 
+def step_side_by_side(make_ours, make_reference, kind: str, seed: int, steps: int, check, what: str) -> None:
+    """An optimizer of ours and torch's on the same inputs of every size (ours at unaligned offsets, all in
+    one call), ``steps`` steps on 1, 2 and 3 threads; ``check(ours, theirs, opt, ref, what)`` per tensor."""
+    for threads in THREADS:
+        torch.set_num_threads(threads)
+        xs = [inputs(kind, n, seed=n + seed) for n in SIZES]
+        ours = [unaligned(x["p"], n % 3).requires_grad_() for x, n in zip(xs, SIZES, strict=True)]
+        theirs = [x["p"].clone().requires_grad_() for x in xs]
+        opt, ref = make_ours(ours), make_reference(theirs)
+        for _ in range(steps):
+            for a, b, x in zip(ours, theirs, xs, strict=True):
+                a.grad, b.grad = x["g"].clone(), x["g"].clone()
+            opt.step()
+            ref.step()
+        for a, b, n in zip(ours, theirs, SIZES, strict=True):
+            check(a, b, opt, ref, f"{what} n={n} threads={threads}")
+
+
 def cases(kind: str):
     """(n, threads, offset) of a test: every size on one thread, the large one on 1-3 threads."""
     for n in SIZES:
@@ -209,23 +227,15 @@ def test_adam_step_matches_torch(level, kind, path):
 @pytest.mark.parametrize("optimizer", ["CPUAdam", "FusedAdam"])
 def test_adam_classes_match_torch_adamw(level, kind, optimizer):
     """Several tensors (every size) in one call, two steps: the second starts from the first's states."""
-    for threads in THREADS:
-        torch.set_num_threads(threads)
-        xs = [inputs(kind, n, seed=n + 7) for n in SIZES]
-        ours = [unaligned(x["p"], n % 3).requires_grad_() for x, n in zip(xs, SIZES, strict=True)]
-        theirs = [x["p"].clone().requires_grad_() for x in xs]
-        opt = getattr(ds_ops, optimizer)(ours, **HYPER, **({"adamw_mode": True} if optimizer == "CPUAdam" else {}))
-        ref = torch.optim.AdamW(theirs, foreach=False, **HYPER)
-        for _ in range(2):
-            for a, b, x in zip(ours, theirs, xs, strict=True):
-                a.grad, b.grad = x["g"].clone(), x["g"].clone()
-            opt.step()
-            ref.step()
-        for a, b, n in zip(ours, theirs, SIZES, strict=True):
-            what = f"{level} {optimizer} {kind} n={n} threads={threads}"
-            assert_ieee_close(a.detach(), b.detach(), P_TOL, P_TOL, f"params, {what}")
-            assert_ieee_close(opt.state[a]["exp_avg_sq"], ref.state[b]["exp_avg_sq"], S_TOL, S_ATOL,
-                              f"exp_avg_sq, {what}")
+    def check(ours, theirs, opt, ref, what):
+        assert_ieee_close(ours.detach(), theirs.detach(), P_TOL, P_TOL, f"params, {what}")
+        assert_ieee_close(opt.state[ours]["exp_avg_sq"], ref.state[theirs]["exp_avg_sq"], S_TOL, S_ATOL,
+                          f"exp_avg_sq, {what}")
+
+    extra = {"adamw_mode": True} if optimizer == "CPUAdam" else {}
+    step_side_by_side(lambda ps: getattr(ds_ops, optimizer)(ps, **HYPER, **extra),
+                      lambda ps: torch.optim.AdamW(ps, foreach=False, **HYPER), kind, seed=7, steps=2, check=check,
+                      what=f"{level} {optimizer} {kind}")
 
 
 def test_the_issue_reproduction_is_finite_and_equals_adamw(level):
@@ -270,23 +280,15 @@ def test_adam_bf16_states_match_torch_within_a_bf16_ulp(level, kind):
     """One step from zero states: the update reads the float32 moments before they are rounded, so the
     parameters meet AdamW within 2e-6 (the 12-14-bit estimates of sqrt and 1/x); the states are one of
     the two bf16 neighbours of torch's."""
-    for threads in THREADS:
-        torch.set_num_threads(threads)
-        xs = [inputs(kind, n, seed=n + 11) for n in SIZES]
-        ours = [unaligned(x["p"], 1).requires_grad_() for x in xs]
-        theirs = [x["p"].clone().requires_grad_() for x in xs]
-        opt = ds_ops.CPUAdam(ours, state_dtype=torch.bfloat16, **HYPER)
-        ref = torch.optim.AdamW(theirs, foreach=False, **HYPER)
-        for a, b, x in zip(ours, theirs, xs, strict=True):
-            a.grad, b.grad = x["g"].clone(), x["g"].clone()
-        opt.step()
-        ref.step()
-        for a, b, n in zip(ours, theirs, SIZES, strict=True):
-            what = f"{level} bf16 states {kind} n={n} threads={threads}"
-            assert_ieee_close(a.detach(), b.detach(), 2e-6, 2e-6, f"params, {what}")
-            for key in ("exp_avg", "exp_avg_sq"):
-                assert opt.state[a][key].dtype == torch.bfloat16
-                assert_ieee_close(opt.state[a][key], ref.state[b][key], BF16_REL, BF16_ATOL, f"{key}, {what}")
+    def check(ours, theirs, opt, ref, what):
+        assert_ieee_close(ours.detach(), theirs.detach(), 2e-6, 2e-6, f"params, {what}")
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert opt.state[ours][key].dtype == torch.bfloat16
+            assert_ieee_close(opt.state[ours][key], ref.state[theirs][key], BF16_REL, BF16_ATOL, f"{key}, {what}")
+
+    step_side_by_side(lambda ps: ds_ops.CPUAdam(ps, state_dtype=torch.bfloat16, **HYPER),
+                      lambda ps: torch.optim.AdamW(ps, foreach=False, **HYPER), kind, seed=11, steps=1, check=check,
+                      what=f"{level} bf16 states {kind}")
 
 
 def test_stochastic_rounding_is_unbiased(level):
@@ -347,20 +349,12 @@ def test_the_16_bit_copy_is_the_float32_result_rounded(level, dtype):
 # ---- Adagrad, Lion, LAMB ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("kind", [k for k in KINDS if k != "subnormal_states"])
 def test_adagrad_matches_torch(level, kind):
-    for threads in THREADS:
-        torch.set_num_threads(threads)
-        xs = [inputs(kind, n, seed=n + 3) for n in SIZES]
-        ours = [unaligned(x["p"], 2).requires_grad_() for x in xs]
-        theirs = [x["p"].clone().requires_grad_() for x in xs]
-        opt = ds_ops.CPUAdagrad(ours, lr=1e-2, eps=1e-10, weight_decay=1e-4)
-        ref = torch.optim.Adagrad(theirs, lr=1e-2, eps=1e-10, weight_decay=1e-4, foreach=False)
-        for _ in range(2):
-            for a, b, x in zip(ours, theirs, xs, strict=True):
-                a.grad, b.grad = x["g"].clone(), x["g"].clone()
-            opt.step()
-            ref.step()
-        for a, b, n in zip(ours, theirs, SIZES, strict=True):
-            assert_ieee_close(a.detach(), b.detach(), P_TOL, P_TOL, f"{level} adagrad {kind} n={n} threads={threads}")
+    def check(ours, theirs, opt, ref, what):
+        assert_ieee_close(ours.detach(), theirs.detach(), P_TOL, P_TOL, what)
+
+    step_side_by_side(lambda ps: ds_ops.CPUAdagrad(ps, lr=1e-2, eps=1e-10, weight_decay=1e-4),
+                      lambda ps: torch.optim.Adagrad(ps, lr=1e-2, eps=1e-10, weight_decay=1e-4, foreach=False),
+                      kind, seed=3, steps=2, check=check, what=f"{level} adagrad {kind}")
 
 
 def lion_reference(p, g, m, lr, betas, weight_decay):

@@ -44,6 +44,19 @@ struct AdamVectors {
   static V f(double x) { return B::set1(static_cast<float>(x)); }
 };
 
+// m / (sqrt(v)/sqrt(bc2) + eps). With bf16 states (kCoarse: 8-bit mantissas) the 12-14-bit hardware
+// estimates are exact enough; with fp32 states one Newton step brings them to ~2^-22. A vector with a
+// second moment the estimates do not serve (inf, nan, negative; AVX2's coarse ones: subnormal), or any
+// vector when eps is too small for 1/denom's estimate, takes the exact instructions: the denormal
+// policy (README), at the cost of one compare per vector on ordinary data.
+template <class B, bool kCoarse>
+inline typename B::V adam_ratio(typename B::V mm, typename B::V vv, const AdamVectors<B>& c) {
+  const bool served = kCoarse ? B::coarse_estimates_serve(vv) : B::estimates_serve(vv);
+  if (!(c.estimates && served)) return B::div(mm, B::fmadd(B::sqrt(vv), c.inv_bc2_sqrt, c.eps));
+  if constexpr (kCoarse) return B::mul(mm, B::rcp_coarse(B::fmadd(B::sqrt_coarse(vv), c.inv_bc2_sqrt, c.eps)));
+  else return B::mul(mm, B::rcp_fast(B::fmadd(B::sqrt_fast(vv), c.inv_bc2_sqrt, c.eps)));
+}
+
 // One vector of elements: p, g, m, v (and out) point at its first element.
 template <class B, bool kScaled, class P, class G, class S, class O>
 inline void adam_vector(P* p, const G* g, S* m, S* v, O* out, const AdamVectors<B>& c, typename B::IV noise,
@@ -61,29 +74,7 @@ inline void adam_vector(P* p, const G* g, S* m, S* v, O* out, const AdamVectors<
   mm = B::fmadd(B::sub(grad, mm), c.beta1c, mm);
   // ((1-b2)*g)*g, torch's order: g*g first would overflow to inf for |g| > 1.8e19, where torch's does not
   vv = B::fmadd(B::mul(grad, c.beta2c), grad, B::mul(vv, c.beta2));
-  // With bf16 states (8-bit mantissas) the 12-14-bit hardware estimates are exact enough; with
-  // fp32 states one Newton step brings them to ~2^-22. A vector with a second moment the estimates
-  // do not serve (inf, nan, negative; AVX2's coarse ones: subnormal), or any vector when eps is too
-  // small for 1/denom's estimate, takes the exact instructions: the denormal policy (README), at the
-  // cost of one compare per vector on ordinary data.
-  V denom, ratio;
-  if constexpr (std::is_same_v<S, bf16>) {
-    if (c.estimates && B::coarse_estimates_serve(vv)) {
-      denom = B::fmadd(B::sqrt_coarse(vv), c.inv_bc2_sqrt, c.eps);
-      ratio = B::mul(mm, B::rcp_coarse(denom));
-    } else {
-      denom = B::fmadd(B::sqrt(vv), c.inv_bc2_sqrt, c.eps);
-      ratio = B::div(mm, denom);
-    }
-  } else {
-    if (c.estimates && B::estimates_serve(vv)) {
-      denom = B::fmadd(B::sqrt_fast(vv), c.inv_bc2_sqrt, c.eps);
-      ratio = B::mul(mm, B::rcp_fast(denom));
-    } else {
-      denom = B::fmadd(B::sqrt(vv), c.inv_bc2_sqrt, c.eps);
-      ratio = B::div(mm, denom);
-    }
-  }
+  const V ratio = adam_ratio<B, std::is_same_v<S, bf16>>(mm, vv, c);
   param = B::fnmadd(ratio, c.step_size, param);
   B::store(p, param);
   store_state<B>(m, 0, mm, B::low16(noise));
