@@ -8,6 +8,10 @@ extension module of one name loads only once per process). A level the CPU lacks
 build already is, is a skip that says so (``pytest -rs`` lists them); the run ends with a line naming
 the levels it covered and what each counted.
 
+Kernels: Adam with float32 states on its three call paths (the classes, ``adam_step`` unscaled, scaled with
+and without its finite check) and with bf16 states, the finite check, the 16-bit copy-out, stochastic
+rounding, Adagrad, Lion, LAMB, 1-bit pack/unpack, block-sparse attention (forward and backward).
+
 Inputs (``KINDS``): ordinary values; zeros; gradients of 1e-20 (second moments subnormal: the PR-MoE
 gate's first steps, where the AVX-512 Adam wrote nan); subnormal gradients; subnormal states;
 gradients near overflow (their squares overflow unless taken in torch's order); inf and nan where the
@@ -30,11 +34,13 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import ds_ops
 from ds_ops import onebit
 from ds_ops.op_builder import system
 from ds_ops.op_builder.ops import CPUAdamBuilder
+from ds_ops.sparse_attention import DenseSparsityConfig, SparseSelfAttention
 
 PORTABLE_LEVELS = ("avx512", "avx2", "scalar")
 _LEVEL_NAME = {"avx512": "AVX-512", "avx2": "AVX2", "scalar": "scalar"}
@@ -442,3 +448,51 @@ def test_onebit_pack_and_unpack_match_the_reference(level, kind):
             onebit.decompress(frames, out, num_threads=threads)
             decoded = torch.where(work.view(-1)[:n] >= 0, 1.0, -1.0) * expected.repeat_interleave(chunk)[:n]
             assert_ieee_close(out, decoded, 2.0**-23, 0.0, f"{level} onebit decompress {kind} chunk={chunk}")
+
+
+# ---- block-sparse attention ---------------------------------------------------------------------------------
+ATTENTION_KINDS = ("normal", "huge_scores", "tiny", "masked_row")
+
+
+@pytest.mark.parametrize("kind", ATTENTION_KINDS)
+@pytest.mark.parametrize("head_dim", [33, 40])  # tails of a vector in the head dimension
+def test_sparse_attention_matches_sdpa(level, kind, head_dim):
+    """SparseSelfAttention (dense layout, causal, key padding) against torch's SDPA, output and gradients:
+    scores so large that most of e^x underflows, subnormal queries, keys and values (every score
+    subnormal: a uniform softmax), and a batch row whose keys are all masked (0 where SDPA gives nan)."""
+    shape, seq = (2, 2, 64, head_dim), 64
+    for threads in THREADS:
+        torch.set_num_threads(threads)
+        g = torch.Generator().manual_seed(head_dim)
+        q, k, v = (torch.randn(shape, generator=g) for _ in range(3))
+        mask = torch.ones(2, seq)
+        mask[1, 50:] = 0
+        if kind == "huge_scores":
+            q = q * 40
+        elif kind == "tiny":
+            q, k, v = q * 1e-20, k * 1e-20, v * 1e-39
+        elif kind == "masked_row":
+            mask[0] = 0
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        module = SparseSelfAttention(DenseSparsityConfig(2), key_padding_mask_mode="mul", max_seq_length=seq)
+        out = module(q, k, v, key_padding_mask=mask, causal=True)
+        grad = torch.randn(shape, generator=g)
+        out.backward(grad)
+        qs, ks, vs = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        allowed = torch.ones(seq, seq, dtype=torch.bool).tril() & mask.bool()[:, None, None, :]
+        ref = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=allowed)
+        live = allowed.any(-1, keepdim=True).expand(shape)  # rows with a key to attend to
+        ref = torch.where(live, ref, 0.0)
+        ref.backward(grad)
+        what = f"{level} sparse attention {kind} head_dim={head_dim} threads={threads}"
+        # errors scale with the inputs: outputs of values of 1e-39 are that small; queries of 40x give
+        # scores of a few hundred, whose rounding (sums of head_dim products, in another order than
+        # SDPA's) moves the peaked probabilities by ~1e-3 relative: so the gradients' bounds
+        huge = kind == "huge_scores"
+        rtol = 5e-3 if huge else 1e-4
+        atol = {"out": 5e-5 * (1e-39 if kind == "tiny" else 1.0), "dq": 5e-5, "dv": 5e-5 * (40 if huge else 1),
+                "dk": 5e-5 * (40 if huge else 1)}
+        for name, a, b in (("out", out, ref), ("dq", q.grad, qs.grad), ("dk", k.grad, ks.grad),
+                           ("dv", v.grad, vs.grad)):
+            b = torch.where(b.isnan(), 0.0, b)  # SDPA's nan gradients of fully masked rows: ours are 0
+            assert_ieee_close(a, b, rtol, atol[name], f"{name}, {what}")
