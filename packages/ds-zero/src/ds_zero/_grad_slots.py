@@ -31,7 +31,7 @@ from torch import nn
 
 from ._model import param_name
 
-logger = logging.getLogger("ds_zero._optimizer")
+logger = logging.getLogger(__name__)
 
 # the ZeroOptimizers whose backward() is running, innermost last (a backward may start another's: rare)
 _RUNNING: list[object] = []
