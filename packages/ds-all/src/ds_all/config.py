@@ -174,9 +174,9 @@ class Config(Section):
             if key in out:
                 value = out.pop(key)
                 if _enabled(value):
-                    from . import __version__
+                    from ._version import DS_VERSION
 
-                    raise ValueError(f"{key} is a DeepSpeed feature ds-all {__version__} does not implement; remove "
+                    raise ValueError(f"{key} is a DeepSpeed feature ds-all {DS_VERSION} does not implement; remove "
                                      f"the key or disable it (got {value!r})")
         return out
 
@@ -202,10 +202,10 @@ class Config(Section):
         return self
 
     def _refuse_what_is_not_built(self) -> None:
-        from . import __version__
+        from ._version import DS_VERSION
 
         def refuse(what: str, fix: str) -> None:
-            raise ValueError(f"{what} is not implemented in ds-all {__version__}; {fix}")
+            raise ValueError(f"{what} is not implemented in ds-all {DS_VERSION}; {fix}")
 
         for section in (self.tensor_parallel, self.compile):
             what = section.refusal()
