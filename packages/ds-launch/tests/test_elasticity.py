@@ -76,7 +76,7 @@ DEEPSPEED_TEST = dict(max_train_batch_size=10000, micro_batch_sizes=[8, 12, 16, 
 def test_public_names_are_pinned():
     assert sorted(ds_launch.__all__) == sorted([
         "ElasticityConfigError", "ElasticityError", "ElasticityIncompatibleWorldSize", "LaunchError",
-        "__version__", "compute_elastic_config", "main", "parse_hostfile", "select_resources"])
+        "__version__", "compute_elastic_config", "main", "parse_deepspeed_args", "parse_hostfile", "select_resources"])
     assert issubclass(ElasticityConfigError, ElasticityError) and issubclass(ElasticityError, ValueError)
     assert issubclass(ElasticityIncompatibleWorldSize, ElasticityError)
 
