@@ -458,6 +458,11 @@ class ZeroOptimizer(Reduction, State, OffloadStates, EngineCalls, Filling):
         """The wrapped optimizer's parameter groups (a learning-rate schedule sets their ``lr``)."""
         return self.optimizer.param_groups
 
+    @property
+    def state(self) -> Any:
+        """The wrapped optimizer's state (per stepped tensor: Adam's moments...), as DeepSpeed's wrappers give it."""
+        return self.optimizer.state
+
     def step(self) -> bool:
         """At an accumulation boundary: wait for the reductions, check for overflow (fp16), clip,
         step, gather; returns True, or False when an overflow skipped the step (on every rank).
