@@ -94,6 +94,7 @@ from ._stage3 import Stage3, plan_units
 from ._stage3_offload import partition_buffer
 from ._state import State
 from ._state_access import link_parameters
+from ._zenflow import ZenFlow, check_zenflow, master_from_model
 from .config import BF16Config, FP16Config, ZeroConfig, mixed_precision
 
 logger = logging.getLogger(__name__)
@@ -178,6 +179,11 @@ class ZeroOptimizer(Reduction, State, OffloadStates, EngineCalls, Filling):
         self.dtype = DTYPES[self.precision]
         self.communication_data_type = communication_dtype(communication_data_type, self.precision)
         refuse_what_is_not_built(self.config)
+        if self.config.zenflow is not None:  # `_zenflow`: DeepSpeed accumulates over update_interval micro-steps
+            check_zenflow(self.config.zenflow, stage=self.config.stage, precision=self.precision,
+                          offload_device=getattr(self.config.offload_optimizer, "device", "none"),
+                          compute_grad_norm=self.config.compute_grad_norm, overlap_comm=bool(self.config.overlap_comm))
+            gradient_accumulation_steps = int(self.config.zenflow.update_interval)
         if isinstance(gradient_clipping, bool) or not isinstance(gradient_clipping, (int, float)) \
                 or not math.isfinite(gradient_clipping) or gradient_clipping < 0:
             raise ValueError(f"gradient_clipping must be a number >= 0 (0: off), got {gradient_clipping!r}")
@@ -404,6 +410,13 @@ class ZeroOptimizer(Reduction, State, OffloadStates, EngineCalls, Filling):
         self._global_grad_norm: float | None = None
         self.reduction_wait_s = 0.0  # seconds step() has waited for reductions (the engine's "allreduce" timer)
         self._closed = False
+        self._zenflow = None  # `_zenflow`: its gradient hooks run before ZeRO's (which free the gradients)
+        if self.config.zenflow is not None:
+            if self._recipe is None:
+                raise NotImplementedError(f"zero_optimization.zenflow steps Adam or AdamW; {type(self.optimizer).__name__} "
+                                          f"is not implemented with it in ds-zero {version()}")
+            self._zenflow = ZenFlow(self.config.zenflow, params, group_of, group, self.world_size, self.optimizer)
+            self._hooks += self._zenflow.hooks
         if self.reduce_in_backward:
             self._hooks += [p.register_post_accumulate_grad_hook(self._on_gradient) for p in params]
 
@@ -424,6 +437,8 @@ class ZeroOptimizer(Reduction, State, OffloadStates, EngineCalls, Filling):
         counted from the micro-steps, unless `set_gradient_accumulation_boundary` says otherwise."""
         if self._boundary_override is not None:
             return self._boundary_override
+        if self._zenflow is not None:
+            return self._zenflow.is_update_boundary(self._micro_step)
         return (self._micro_step + 1) % self.gradient_accumulation_steps == 0
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
@@ -450,6 +465,9 @@ class ZeroOptimizer(Reduction, State, OffloadStates, EngineCalls, Filling):
             loss = loss / self.gradient_accumulation_steps
         if self.scaler is not None:
             loss = loss.float() * self.scaler.scale
+        if self._zenflow is not None:
+            self._zenflow.before_backward(self._micro_step, lambda: master_from_model(self._host, self._step_params,
+                                                                                      self._host_copies))
         with GradientSlots.running(self):  # another optimizer's hooks firing in it know it is not theirs
             loss.backward(retain_graph=retain_graph)
 
@@ -470,6 +488,8 @@ class ZeroOptimizer(Reduction, State, OffloadStates, EngineCalls, Filling):
         if self._closed:
             raise RuntimeError("ZeroOptimizer.step: this optimizer was closed")
         boundary = self.is_gradient_accumulation_boundary
+        if self._zenflow is not None:
+            self._zenflow.refresh_options(self.optimizer)
         self._micro_step += 1
         self._last_step_was_boundary = boundary
         if not boundary:
@@ -505,6 +525,10 @@ class ZeroOptimizer(Reduction, State, OffloadStates, EngineCalls, Filling):
                 coefficient = min(1.0, self.gradient_clipping / (self._global_grad_norm + 1e-6))
             if self._nvme is not None:
                 nvme_step(self, scale / coefficient)
+            elif self._zenflow is not None:
+                if self._zenflow.full_step(self.optimizer, self._recipe, self._step_params, self._host_grads,
+                                           self._host_copies, scale / coefficient):
+                    self._host.upload()
             elif self._host is not None:
                 self._host.adam_step(self.optimizer, self._recipe, self._step_params, self._host_grads,
                                      self._host_copies, scale / coefficient)
@@ -528,6 +552,8 @@ class ZeroOptimizer(Reduction, State, OffloadStates, EngineCalls, Filling):
             self.optimizer.step()
             self._next_reduction()
         self._refresh_parameters()
+        if self._zenflow is not None:
+            self._zenflow.after_step()
         return True
 
     def zero_grad(self, set_to_none: bool = True) -> None:
