@@ -58,7 +58,8 @@ LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
 # "auto" values that are settings of their own, not placeholders for the caller to fill in.
-MEANINGFUL_AUTO = ("pipeline.stages", "data_types.keep_in_fp32_modules")
+MEANINGFUL_AUTO = ("pipeline.stages", "data_types.keep_in_fp32_modules", "zero_optimization.zenflow.select_strategy",
+                   "zero_optimization.zenflow.select_interval", "zero_optimization.zenflow.update_interval")
 
 
 def _enabled(value: Any) -> bool:
