@@ -5,6 +5,7 @@ DeepSpeedExamples' CIFAR-10 script runs with only its import changed, with DeepS
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import io
 import json
 import logging
@@ -246,3 +247,30 @@ def test_compatible_ops_has_deepspeeds_names_for_the_fused_kernels():
         assert FusedAdamBuilder().load() is CPUAdamBuilder().load()  # the kernel FusedAdam runs on CPU tensors
     with pytest.raises(AttributeError, match="no attribute '__compatible_opz__'"):
         ds_all.ops.__compatible_opz__  # noqa: B018
+
+
+_VERSIONS = """
+import importlib.metadata, sys
+{setup}
+import deepspeed
+from deepspeed.git_version_info import version
+from packaging import version as pv
+meta = {meta}
+print(deepspeed.__version__, version, meta, deepspeed.__ds_version__, pv.parse(deepspeed.__version__) >= pv.parse("0.14"))
+"""
+
+
+@pytest.mark.parametrize("how", ["ds-launch alias", "hf trainer"])
+def test_deepspeed_version_is_one_answer_everywhere(how):
+    """Scripts compare ``version.parse(deepspeed.__version__)`` with the DeepSpeed they need: under both aliases it is
+    the DeepSpeed API version ds follows, equal to git_version_info.version and (Trainer alias) the metadata."""
+    alias = Path(__file__).parents[2] / "ds-launch" / "src" / "ds_launch" / "_deepspeed_alias"
+    setup, meta = ("", "None") if how == "ds-launch alias" else (
+        "import ds_all.hf.trainer", "importlib.metadata.version('deepspeed')")
+    env = {**os.environ, "PYTHONPATH": str(alias) if how == "ds-launch alias" else ""}
+    done = subprocess.run([sys.executable, "-c", _VERSIONS.format(setup=setup, meta=meta)], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    api, info, metadata, own, new_enough = done.stdout.split()
+    assert api == info == "0.19.8" and metadata in ("None", api) and new_enough == "True"
+    assert own == ds_all.__ds_version__ == importlib.metadata.version("ds-all")
