@@ -104,6 +104,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
         mpu = model.mpu()  # the data-parallel group is the stage's replicas
     try:
         loaded = _parallel.merge_recorded(Config.load(source), mpu)  # what ds_all.tp_model_init recorded
+        _parallel.autotp_mode(loaded)  # autotp_size > 0: AutoTP's training mode, as DeepSpeed's initialize
         # tensor_parallel.autotp_size / sequence_parallel_size: ds-parallel's mpu (unless one is given)
         mpu = _parallel.build_mpu(loaded, mpu, pipeline=pipeline)
         dp_world_size = ds_comm.get_world_size(mpu.get_data_parallel_group() if mpu is not None else None)
