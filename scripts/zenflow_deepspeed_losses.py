@@ -13,7 +13,8 @@ that test compares ds with. Like the example it passes ``training_data`` to ``in
 It needs DeepSpeed and transformers, so it is not part of CI (no ``test_`` prefix: pytest does not collect it):
 
     /work/dsref/bin/pip install torch==2.13.0 deepspeed==0.19.8 transformers==5.23.0
-    DS_ACCELERATOR=cpu /work/dsref/bin/python scripts/zenflow_deepspeed_losses.py [--overlap-step false]
+    DS_ACCELERATOR=cpu /work/dsref/bin/python scripts/zenflow_deepspeed_losses.py [--overlap-step false] \
+        [--zenflow '{"full_warm_up_rounds": 2, "select_strategy": "step", "select_interval": 8}']
 
 DeepSpeed 0.19.8's ZenFlow scrambles every weight matrix at ``initialize``: it lays the matrices out transposed
 (a column contiguous) but points each parameter at its slice as if it were not (``_update_model_bit16_weights``
@@ -115,12 +116,13 @@ def _worker(rank: int, port: int, overrides: dict, out_dir: str, as_released: bo
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--overlap-step", choices=("true", "false"), default="true")
+    parser.add_argument("--zenflow", default="{}", help='more zenflow keys as JSON, e.g. \'{"full_warm_up_rounds": 2}\'')
     parser.add_argument("--as-released", action="store_true", help="DeepSpeed unchanged (its weights scrambled)")
     args = parser.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    overrides = {"overlap_step": args.overlap_step == "true"}
+    overrides = {"overlap_step": args.overlap_step == "true", **json.loads(args.zenflow)}
     with tempfile.TemporaryDirectory() as out_dir:
         mp.start_processes(_worker, args=(port, overrides, out_dir, args.as_released), nprocs=2, start_method="spawn")
         losses = [json.loads(Path(out_dir, f"{rank}.json").read_text()) for rank in range(2)]
