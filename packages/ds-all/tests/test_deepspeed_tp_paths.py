@@ -177,3 +177,21 @@ def run_sequence_only_mpu(rank, world, tmp):
 
 def test_parallel_state_sp_is_a_sequence_only_mpu(tmp_path):
     assert spawn(run_sequence_only_mpu, world_size=2, args=(str(tmp_path),)) == [True, True]
+
+
+def run_mesh_param(rank, world):
+    model = nn.Linear(4, 4)
+    config = {"train_batch_size": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    engine, _, _, _ = ds_all.initialize(model=model, model_parameters=model.parameters(), config=config,
+                                        mesh_param=(1, world))  # DeepSpeed's (data, sequence) mesh
+    assert engine.sequence_parallel_size == world and ds_comm.get_world_size(engine.seq_parallel_group) == world
+    assert engine.dp_world_size == 1
+    with pytest.raises(ValueError, match=r"mesh_param \(1, 2\) gives sequence_parallel_size 2, the config 1"):
+        ds_all.initialize(model=nn.Linear(4, 4), config={**config, "sequence_parallel_size": 1}, mesh_param=(1, 2))
+    with pytest.raises(ValueError, match="mesh_param must be"):
+        ds_all.initialize(model=nn.Linear(4, 4), config=config, mesh_param=(2,))
+    return True
+
+
+def test_initialize_mesh_param_is_data_by_sequence_parallel_sizes():
+    assert spawn(run_mesh_param, world_size=2) == [True, True]

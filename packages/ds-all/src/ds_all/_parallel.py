@@ -97,6 +97,23 @@ def merge_recorded(config: Config, mpu: Any) -> Config:
     return Config.model_validate(data)
 
 
+def apply_mesh_param(config: Config, mesh_param: Any) -> Config:
+    """``initialize(mesh_param=(data, sequence))``, DeepSpeed's device mesh: the config's ``data_parallel_size``
+    and ``sequence_parallel_size`` (where the config gives them too, they must be the same)."""
+    if mesh_param is None:
+        return config
+    if (not isinstance(mesh_param, (tuple, list)) or len(mesh_param) != 2
+            or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in mesh_param)):
+        raise ValueError(f"initialize: mesh_param must be (data_parallel_size, sequence_parallel_size), two integers "
+                         f">= 1, got {mesh_param!r}")
+    data = config.as_dict()
+    for key, value in zip(("data_parallel_size", "sequence_parallel_size"), mesh_param, strict=True):
+        if data.get(key) not in (None, value):
+            raise ValueError(f"initialize: mesh_param {tuple(mesh_param)} gives {key} {value}, the config {data[key]}")
+        data[key] = value
+    return Config.model_validate(data)
+
+
 def parallel_sizes(config: Config) -> tuple[int, int]:
     """``(tensor-parallel size, sequence-parallel size)`` the config asks for (1: none). ``tp.tp_size``
     must agree with ``autotp_size`` when both are given (DeepSpeed's check)."""
