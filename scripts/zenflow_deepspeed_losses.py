@@ -117,12 +117,15 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--overlap-step", choices=("true", "false"), default="true")
     parser.add_argument("--zenflow", default="{}", help='more zenflow keys as JSON, e.g. \'{"full_warm_up_rounds": 2}\'')
+    parser.add_argument("--config", default="{}", help="top-level keys added to the config as JSON (a scheduler)")
     parser.add_argument("--as-released", action="store_true", help="DeepSpeed unchanged (its weights scrambled)")
     args = parser.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     overrides = {"overlap_step": args.overlap_step == "true", **json.loads(args.zenflow)}
+    if json.loads(args.config):
+        overrides["_config"] = json.loads(args.config)
     with tempfile.TemporaryDirectory() as out_dir:
         mp.start_processes(_worker, args=(port, overrides, out_dir, args.as_released), nprocs=2, start_method="spawn")
         losses = [json.loads(Path(out_dir, f"{rank}.json").read_text()) for rank in range(2)]

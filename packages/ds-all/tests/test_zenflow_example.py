@@ -25,9 +25,10 @@ def tiny_llama() -> torch.nn.Module:
     return LlamaForCausalLM(config)
 
 
-def example_config(**zenflow) -> dict:
-    """DeepSpeedExamples' zf_config.json, train_batch_size 8 (2 ranks x micro-batch 4)."""
-    return {
+def example_config(_config: dict | None = None, **zenflow) -> dict:
+    """DeepSpeedExamples' zf_config.json, train_batch_size 8 (2 ranks x micro-batch 4); ``zenflow`` keys and
+    top-level ``_config`` keys (a scheduler) added."""
+    return {**(_config or {}),
         "train_batch_size": 8,
         "bf16": {"enabled": True},
         "zero_optimization": {
@@ -152,3 +153,25 @@ def test_zenflow_warm_up_and_step_selection_train_as_deepspeed():
         assert max(abs(a - b) for a, b in zip(losses, expected, strict=True)) <= WARM_UP_TOLERANCE, (losses, expected)
         assert losses[:8] == pytest.approx(expected[:8], abs=TOLERANCE)
         assert abs(expected[1] - DEEPSPEED[True][rank][1]) > 5 * WARM_UP_TOLERANCE  # the warm-up shows
+
+
+# A learning-rate schedule (DeepSpeed 0.19.8 with ``--config`` this, corrected as above, overlap_step true): under
+# ZenFlow DeepSpeed steps the schedule at every micro-step, not at updates only, and the selected columns' AdamW
+# reads the rate at each step()'s start (its first step runs at the configured 2e-5 before any schedule step).
+SCHEDULE = {"scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 2e-5,
+                                                        "warmup_num_steps": 10, "warmup_type": "linear"}}}
+DEEPSPEED_SCHEDULE = [
+    [5.5731425285339355, 5.573048114776611, 5.573048114776611, 5.573048114776611, 5.5730133056640625, 5.573052883148193, 5.572999477386475, 5.572988986968994, 5.572947978973389, 5.572941780090332, 5.572885036468506, 5.572835445404053, 5.572457313537598, 5.572301387786865, 5.572211265563965, 5.57183837890625],
+    [5.547002792358398, 5.546825885772705, 5.546825885772705, 5.546825885772705, 5.5467987060546875, 5.54682731628418, 5.546812057495117, 5.546793460845947, 5.5466413497924805, 5.546748161315918, 5.546635627746582, 5.546570777893066, 5.546328544616699, 5.546175956726074, 5.5460076332092285, 5.545894622802734],
+]
+
+
+def test_zenflow_steps_the_schedule_every_micro_step_as_deepspeed():
+    pytest.importorskip("transformers")
+    from ds_comm.testing import spawn
+
+    ranks = spawn(_train, world_size=2, args=({"_config": SCHEDULE},), timeout=900)
+    for rank, losses in enumerate(ranks):
+        assert losses == pytest.approx(DEEPSPEED_SCHEDULE[rank], abs=TOLERANCE), (losses, DEEPSPEED_SCHEDULE[rank])
+        # not trivially equal: the schedule moves the losses away from the run without one
+        assert abs(DEEPSPEED_SCHEDULE[rank][7] - DEEPSPEED[True][rank][7]) > 50 * TOLERANCE

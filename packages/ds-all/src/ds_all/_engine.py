@@ -323,6 +323,8 @@ class DeepSpeedEngine(EngineAPI, nn.Module):
         self.micro_steps += 1
         self.global_samples += self.train_micro_batch_size_per_gpu() * self.dp_world_size
         if not boundary:
+            if self.config.zero_optimization.zenflow is not None and self.lr_scheduler is not None:
+                self.lr_scheduler.step()  # DeepSpeed's ZenFlow steps the schedule at every micro-step
             return
         self._step_applied = applied
         if applied and self.lr_scheduler is not None:
