@@ -578,6 +578,8 @@ class ZeroOptimizer(Reduction, State, OffloadStates, EngineCalls, Filling):
         if self._closed:
             return
         self._wait_reductions_quietly()
+        if self._zenflow is not None:  # its CPU step in flight
+            self._zenflow.close()
         self._work, self._buffer_work = [], []
         if self._host is not None:
             self._host.forget_downloads()
