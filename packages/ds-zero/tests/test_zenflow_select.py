@@ -62,3 +62,41 @@ def test_adamw_is_torchs_single_tensor_adamw_in_bf16():
         adamw_(param, grad, exp_avg, exp_avg_sq, step, lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
         assert torch.equal(param, reference.detach())
     assert torch.equal(exp_avg, optimizer.state[reference]["exp_avg"]) and float(step) == 3.0
+
+
+class _TwoHeads(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body, self.extra = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+
+    def forward(self, x, use_extra):
+        h = self.body(x)
+        return self.extra(h) if use_extra else h
+
+
+def _plain_loop(rank, world_size):
+    from ds_zero import ZeroOptimizer
+
+    torch.manual_seed(0)
+    model = _TwoHeads()
+    zero = ZeroOptimizer(model, torch.optim.AdamW, optimizer_kwargs={"lr": 1e-2}, bf16={"enabled": True},
+                         config={"stage": 2, "offload_optimizer": {"device": "cpu"},
+                                 "zenflow": {"topk_ratio": 0.25, "update_interval": 2, "select_strategy": "step",
+                                             "select_interval": 4, "overlap_step": True}})
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for step in range(6):
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(10 * step + rank)).to(torch.bfloat16)
+        zero.backward(model(x, use_extra=(rank == 0 or step % 3 == 0)).float().square().mean())  # rank 1 skips extra
+        zero.step()
+        zero.zero_grad()
+    zero.close()
+    return {n: (p.detach().float(), before[n].float()) for n, p in model.named_parameters()}
+
+
+def test_zenflow_in_a_plain_loop_keeps_ranks_equal_when_a_rank_skips_a_module():
+    from ds_comm.testing import spawn
+
+    first, second = spawn(_plain_loop, world_size=2, timeout=300)
+    for name, (after, before) in first.items():
+        assert torch.equal(after, second[name][0]), name  # one model on both ranks (rank 1 had no extra gradient)
+        assert not torch.equal(after, before), name  # every parameter trained, the skipped module too

@@ -470,6 +470,8 @@ class ZeroOptimizer(Reduction, State, OffloadStates, EngineCalls, Filling):
                                                                                       self._host_copies))
         with GradientSlots.running(self):  # another optimizer's hooks firing in it know it is not theirs
             loss.backward(retain_graph=retain_graph)
+        if self._zenflow is not None:
+            self._zenflow.after_backward()
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:

@@ -23,6 +23,7 @@ the selection interval in micro-steps, 0 for "select once"):
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from typing import Any
 
@@ -65,7 +66,7 @@ class ZenFlow:
     """ZenFlow's state for one `ZeroOptimizer` (see the module docstring). ``params``: the trainable
     parameters in ZeRO's order; ``group_of``: each one's option group (DeepSpeed lays each group out and
     partitions it on its own); ``group``: the data-parallel group. Call `before_backward` at the start of
-    each backward, `full_step` at an update boundary (instead of the CPU Adam) and `after_step` after it."""
+    each backward, `after_backward` after it, `full_step` at an update boundary (instead of the CPU Adam) and `after_step` after it."""
 
     def __init__(self, config: ZenFlowConfig, params: list[torch.nn.Parameter], group_of: list[int],
                  group: Any, world_size: int, optimizer: torch.optim.Optimizer):
@@ -87,7 +88,6 @@ class ZenFlow:
         self._captured: dict[int, torch.Tensor] = {}  # this backward's local gradients (what is averaged)
         self._selected_grads: list[torch.Tensor | None] = [None] * len(params)
         self._saved: list[torch.Tensor | None] = [None] * len(params)  # selected values before a full step
-        self._queued = False
         # the CPU side (created at the first update): moments per window parity, the gradients it steps with,
         # the master copy's snapshot the model receives (DeepSpeed's stale_param)
         self._moments: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
@@ -131,31 +131,45 @@ class ZenFlow:
             return
         i = self._index[id(param)]
         grad = param.grad.detach()
-        if param.dim() == 2 and not self.is_selection(self.micro_step):
-            grad = grad[:, self.columns[i]]
-        self._captured[i] = grad.clone()
-        if not self._queued:
-            self._queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._after_backward)
+        if self._whole(i):
+            self._captured[i] = grad.clone()
+        else:
+            self._captured[i] = grad[:, self.columns[i]]
 
-    def _after_backward(self) -> None:
-        """Average what was captured (divided first, in bf16, as DeepSpeed's reduction), select at a
-        selection, and step the selected columns now (between boundaries) or keep their values (at one)."""
-        self._queued = False
-        order = sorted(self._captured)
-        if not order:
+    def _whole(self, i: int) -> bool:
+        """Whether parameter ``i``'s whole gradient is averaged this micro-step (a 1-D one, a matrix at a selection
+        or with no columns chosen yet), else its selected columns only."""
+        return self.params[i].dim() != 2 or self.columns[i] is None or self.is_selection(self.micro_step)
+
+    def after_backward(self) -> None:
+        """After the backward (ZeRO's reductions issued, so the collectives keep one order on every rank):
+        average what was captured (divided first, in bf16, as DeepSpeed's reduction), select at a selection,
+        and step the selected columns now (between boundaries) or keep their values (at one). Every rank
+        averages every parameter's piece (zeros where this rank had no gradient) and a presence flag per
+        parameter, so the collective matches and a parameter any rank trained is stepped on all."""
+        if self.micro_step < self.warm_up:
             return
-        flat = torch.cat([self._captured[i].reshape(-1) for i in order]).div_(self.world_size)
+        shapes = [p.shape if self._whole(i) else (p.shape[0], self.columns[i].numel())
+                  for i, p in enumerate(self.params)]
+        pieces = [self._captured[i].reshape(-1) if i in self._captured else
+                  torch.zeros(math.prod(shape), dtype=p.dtype, device=p.device)
+                  for i, (p, shape) in enumerate(zip(self.params, shapes, strict=True))]
+        present = torch.tensor([1.0 if i in self._captured else 0.0 for i in range(len(self.params))],
+                               dtype=pieces[0].dtype, device=pieces[0].device)
+        flat = torch.cat([*pieces, present * self.world_size]).div_(self.world_size)
         ds_comm.all_reduce(flat, group=self.group)
+        trained = flat[-len(self.params):] > 0
         selection = self.is_selection(self.micro_step)
         boundary = self.is_update_boundary(self.micro_step)
         at = 0
-        for i in order:
-            p, shape = self.params[i], self._captured[i].shape
-            grad = flat[at:at + self._captured[i].numel()].view(shape)
+        for i, shape in enumerate(shapes):
+            p = self.params[i]
+            grad = flat[at:at + math.prod(shape)].view(shape)
             at += grad.numel()
+            if not trained[i]:
+                continue
             if p.dim() == 2:
-                if selection:
+                if selection or self.columns[i] is None:
                     self.columns[i] = select_columns(grad, self.parts[i], self.config.topk_ratio)
                     grad = grad[:, self.columns[i]]
                 self._selected_grads[i] = grad
