@@ -4,7 +4,7 @@ DeepSpeed: ``module_inject.tp_shard`` (both signatures), ``module_inject.layers`
 ``runtime.sequence_parallel.parallel_state_sp`` as an mpu, ``sequence.fpdt_layer.FPDT_InputConstruct``, the
 optimizer kinds of ``runtime.zero.stage_1_and_2`` / ``stage3``, and through ``initialize``:
 ``tensor_parallel.partition_config``, the first-batch check of a tensor-parallel group and
-``_consolidated_16bit_state_dict`` under AutoTP (against the unsplit model)."""
+``_consolidated_16bit_state_dict`` under AutoTP (against the unsplit model), replicas made equal."""
 
 import copy
 
@@ -117,6 +117,8 @@ def run_partition_config(rank, world):
     torch.manual_seed(0)
     model = Net()
     whole = copy.deepcopy(model)
+    with torch.no_grad():
+        model.body.weight.add_(rank)  # a replica built differently: initialize makes it tensor-parallel rank 0's
     config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
               "zero_optimization": {"stage": 1}, "tensor_parallel": {"autotp_size": 2, "partition_config": RULES}}
     engine, optimizer, _, _ = ds_all.initialize(model=model, model_parameters=model.parameters(), config=config)
@@ -124,6 +126,7 @@ def run_partition_config(rank, world):
     assert isinstance(engine.module.lm_head, tp_layers.LinearLayer.__mro__[1])  # ds-parallel's column layer
     assert engine.module.lm_head.weight.shape == ((3, 6), (2, 6))[rank]  # 5 outputs: 3 + 2
     assert isinstance(engine.module.body, nn.Linear)  # skip
+    torch.testing.assert_close(engine.module.body.weight, whole.body.weight, rtol=0, atol=0)
     assert isinstance(optimizer, DeepSpeedZeroOptimizer) and not isinstance(optimizer, DeepSpeedZeroOptimizer_Stage3)
     state = engine._consolidated_16bit_state_dict()
     if rank == 0:

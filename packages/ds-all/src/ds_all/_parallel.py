@@ -257,6 +257,7 @@ def configure_engine(engine: Any) -> dict[str, Any]:
         if group is not None:
             options["model_parallel_group"] = group
             options["tensor_parallel_rank"] = tensor_parallel_rank(mpu)
+    synchronize_replicas(engine)  # what AutoTP left whole is the same on every tensor-parallel rank
     check_tensor_parallel_inputs(engine)  # the first batch must agree across each tensor-parallel group
     if engine.global_rank == 0 and (sp > 1 or engine.mp_world_size > 1):
         logger.info("parallel groups: data %d, model %d, sequence %d, sequence × data %d", engine.dp_world_size,
@@ -351,6 +352,22 @@ class TensorParallelInputCheck:
             raise TensorParallelInputMismatch(_MISMATCH)
         logger.info("the inputs agree across the tensor-parallel group")
         self.handle.remove()
+
+
+def synchronize_replicas(engine: Any) -> None:
+    """Under AutoTP over more than one rank, every parameter not sliced (no ``tensor_model_parallel`` mark: norms,
+    embeddings, row-parallel biases, linears left whole) is made the same on each tensor-parallel group's ranks,
+    broadcast from its first rank. AutoTP computes as one model only when they are (a row-parallel layer sums
+    partial products of the same input), and a checkpoint keeps one copy of them; DeepSpeed leaves them as each
+    rank built them."""
+    if engine.autotp_size() <= 1 or engine.mpu is None or tensor_parallel_size(engine.mpu) <= 1:
+        return
+    group = _tp_group(engine.mpu)
+    src = ds_comm.get_global_rank(group, 0)
+    with torch.no_grad():
+        for param in engine.module.parameters():
+            if not getattr(param, "tensor_model_parallel", False):
+                ds_comm.broadcast(param.data, src=src, group=group)
 
 
 def check_tensor_parallel_inputs(engine: Any) -> TensorParallelInputCheck | None:
