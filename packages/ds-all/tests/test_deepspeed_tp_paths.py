@@ -48,6 +48,10 @@ def test_autotp_mode_and_model_parallel_marks():
         assert row.weight.requires_grad and row.bias.requires_grad
         assert is_model_parallel_parameter(row.weight) and not is_model_parallel_parameter(row.bias)  # replicated
         assert not is_model_parallel_parameter(nn.Parameter(torch.zeros(1)))
+        import ds_parallel
+
+        assert isinstance(ds_parallel.LinearLayer(nn.Linear(4, 6)), tp_layers.LinearLayer)  # DeepSpeed's name
+        assert not isinstance(ds_parallel.LinearLayer(nn.Linear(4, 6)), tp_layers.LinearAllreduce)
         with pytest.raises(ValueError, match=r"unknown keyword argument.*bogus"):
             tp_layers.LinearLayer(nn.Linear(4, 6), None, bogus=1)
     finally:
@@ -123,7 +127,7 @@ def run_partition_config(rank, world):
               "zero_optimization": {"stage": 1}, "tensor_parallel": {"autotp_size": 2, "partition_config": RULES}}
     engine, optimizer, _, _ = ds_all.initialize(model=model, model_parameters=model.parameters(), config=config)
     assert tp_layers.is_autotp_training_mode()
-    assert isinstance(engine.module.lm_head, tp_layers.LinearLayer.__mro__[1])  # ds-parallel's column layer
+    assert isinstance(engine.module.lm_head, tp_layers.LinearLayer)  # ds-parallel's, DeepSpeed's name
     assert engine.module.lm_head.weight.shape == ((3, 6), (2, 6))[rank]  # 5 outputs: 3 + 2
     assert isinstance(engine.module.body, nn.Linear)  # skip
     torch.testing.assert_close(engine.module.body.weight, whole.body.weight, rtol=0, atol=0)

@@ -62,6 +62,17 @@ def _sizes(module: nn.Module, dim: int, mp_group: Any, kwargs: dict[str, Any], w
     return get_shard_size_list(size, dist.get_world_size(mp_group), meta, kwargs.get("name"))
 
 
+class _DeepSpeedName(type):
+    """The metaclass of the classes below: ``isinstance(layer, LinearLayer)`` holds for every ds-parallel
+    `LinearLayer` (the engine's AutoTP builds ds-parallel's), as it does for DeepSpeed's layers."""
+
+    def __instancecheck__(cls, instance: object) -> bool:
+        return isinstance(instance, cls.__mro__[1])
+
+    def __subclasscheck__(cls, subclass: type) -> bool:
+        return issubclass(subclass, cls.__mro__[1])
+
+
 def _inference_freeze(layer: nn.Module) -> None:
     if not is_autotp_training_mode():
         for param in (layer.weight, layer.bias):
@@ -69,7 +80,7 @@ def _inference_freeze(layer: nn.Module) -> None:
                 param.requires_grad_(False)
 
 
-class LinearLayer(ds_parallel.LinearLayer):
+class LinearLayer(ds_parallel.LinearLayer, metaclass=_DeepSpeedName):
     """DeepSpeed's ``LinearLayer(module, mp_group=None, skip_partition=False, gather_output=False, **kwargs)``
     (keywords ``name``, ``tp_meta``): ds-parallel's column-parallel layer."""
 
@@ -81,7 +92,7 @@ class LinearLayer(ds_parallel.LinearLayer):
         _inference_freeze(self)
 
 
-class LinearAllreduce(ds_parallel.LinearAllreduce):
+class LinearAllreduce(ds_parallel.LinearAllreduce, metaclass=_DeepSpeedName):
     """DeepSpeed's ``LinearAllreduce(module, mp_group, **kwargs)`` (keywords ``name``, ``tp_meta``):
     ds-parallel's row-parallel layer."""
 
