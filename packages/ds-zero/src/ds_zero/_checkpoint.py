@@ -161,9 +161,9 @@ def _my_pieces(zero: ZeroOptimizer) -> Iterator[tuple[Any, int, int]]:
         flat = slot.offset + piece.param_offset
         bucket = zero.layout.buckets[piece.bucket]
         # the master copy is the flat buffer in float32 (the whole layout below stage 3, the partition at 3)
-        whole_layout = zero.stage == 0 or (zero._master is None and zero.stage < 3)
+        whole_layout = not zero.policy.shard_optimizer or (zero._master is None and not zero.policy.shard_params)
         in_master = flat if whole_layout else piece.partition_offset
-        in_step = (flat - bucket.offset) if zero.stage == 0 else piece.partition_offset - starts[piece.bucket]
+        in_step = piece.partition_offset - starts[piece.bucket] if zero.policy.shard_optimizer else flat - bucket.offset
         yield piece, in_master, in_step
 
 
@@ -443,7 +443,7 @@ def load_zero_state(zero: ZeroOptimizer, checkpoint_id: Any, meta: dict[str, Any
                 state[key] = torch.zeros_like(tensor, dtype=fresh[id(tensor)], device=tensor.device)
     wanted: dict[str, Any] = {}
     back: list[tuple[torch.Tensor, torch.Tensor]] = []  # device tensors read through host copies
-    if zero.stage == 0:  # every rank holds everything: whole tensors, read from whichever shards hold them
+    if not zero.policy.shard_optimizer:  # every rank holds everything: whole tensors, read from whichever shards hold them
         master = _master(zero)
         for index, name in enumerate(_names(zero)):
             slot = zero.layout.slots[index]

@@ -54,7 +54,7 @@ class EngineCalls:
         master copy's values back. Nothing to do in float32 (the parameters are the master copy) or at
         stage 3 (`GatheredParameters` with a ``modifier_rank`` updates it)."""
         self._refuse_with_nvme("refresh_fp32_params")
-        if self._master is not None and self.stage < 3:
+        if self._master is not None and not self.policy.shard_params:
             self._fill_master(self._params)
 
     def empty_partition_cache(self) -> None:

@@ -42,7 +42,7 @@ class Filling:
     def _fill_master(self, params: list[nn.Parameter]) -> None:
         """The master copy from the parameters in the model's 16-bit dtype, widened: DeepSpeed's engine casts
         the model to fp16/bf16 before it takes the float32 copy, so training starts from the same values."""
-        if self.stage == 0:
+        if not self.policy.shard_optimizer:
             for p, slot in zip(params, self.layout.slots, strict=True):
                 self._master[slot.offset:slot.offset + slot.numel].copy_(p.detach().reshape(-1).to(self.dtype))
             return

@@ -31,10 +31,11 @@ from ._stage3 import Stage3, plan_units
 from ._stage3_offload import partition_buffer
 
 
-def partitioned_frozen(model: nn.Module, stage: int, dtype: torch.dtype, managed: set[int]) -> list[nn.Parameter]:
-    """The parameters stage 3 partitions besides the trainable ones: every frozen floating-point
-    parameter of the training dtype (after the 16-bit cast); none below stage 3."""
-    if stage < 3:
+def partitioned_frozen(model: nn.Module, partitioned: bool, dtype: torch.dtype,
+                       managed: set[int]) -> list[nn.Parameter]:
+    """The parameters stage 3 partitions (``partitioned``) besides the trainable ones: every frozen
+    floating-point parameter of the training dtype (after the 16-bit cast); none below stage 3."""
+    if not partitioned:
         return []
     seen: set[int] = set()
     out = []

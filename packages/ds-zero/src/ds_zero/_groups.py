@@ -46,15 +46,15 @@ def option_groups(param_groups: Any, model: nn.Module, params: list[nn.Parameter
     return group_of, options  # type: ignore[return-value]
 
 
-def step_runs(layout: FlatLayout, stage: int, rank: int, group_of: list[int]) -> list[tuple[int, int, int, int]]:
-    """The tensors the optimizer steps: each bucket's range this rank steps (the whole bucket at stage 0,
-    the rank's shard above), split where the parameters' group changes; (bucket, offset in the range,
+def step_runs(layout: FlatLayout, sharded: bool, rank: int, group_of: list[int]) -> list[tuple[int, int, int, int]]:
+    """The tensors the optimizer steps: each bucket's range this rank steps (the whole bucket without
+    ``sharded`` optimizer states, stage 0; the rank's shard with them), split where the parameters' group changes; (bucket, offset in the range,
     length, group). Padding belongs to the run before it (a range of padding only, to the bucket's last
     parameter's group)."""
     runs = []
     for bucket in layout.buckets:
-        start = bucket.offset if stage == 0 else layout.shard_range(bucket, rank)[0]
-        length = bucket.padded if stage == 0 else bucket.shard
+        start = layout.shard_range(bucket, rank)[0] if sharded else bucket.offset
+        length = bucket.shard if sharded else bucket.padded
         cuts: list[list[int]] = []  # [offset, group]
         for index in bucket.slots:
             slot = layout.slots[index]

@@ -29,6 +29,7 @@ from ._model import (
     version,
 )
 from ._not_built import refuse_what_is_not_built
+from ._policy import require_partitioned_params
 from ._precision import DTYPES, cast_floating_inputs
 from ._stage3 import Stage3, plan_units
 from ._stage3_offload import partition_buffer
@@ -59,9 +60,7 @@ class ZeroInference:
         if not isinstance(model, nn.Module):
             raise ValueError(f"ZeroInference: model must be a torch.nn.Module, got {type(model).__name__}")
         self.config = ZeroConfig.from_section_or_ds_config(config)
-        if self.config.stage != 3:
-            raise ValueError(f"ZeroInference partitions parameters at zero_optimization.stage 3, got stage "
-                             f"{self.config.stage} (stages 0-2 keep every parameter whole: run the model as it is)")
+        require_partitioned_params(self.config, "ZeroInference")
         refuse_what_is_not_built(self.config)
         fp16_config = FP16Config.from_section_or_ds_config(fp16)
         precision = mixed_precision(fp16_config, BF16Config.from_section_or_ds_config(bf16))

@@ -114,10 +114,11 @@ class HostOffload:
         self._uploaded = record_event(self.device)
 
 
-def host_places(layout: Any, stage: int, shard_starts: list[int]) -> list[tuple[int, int]]:
+def host_places(layout: Any, sharded: bool, shard_starts: list[int]) -> list[tuple[int, int]]:
     """Per bucket, where its stepped part lies in the host buffers (and the master copy): the whole
-    bucket in the whole layout at stage 0, this rank's shard in its partition above."""
-    if stage == 0:
+    bucket in the whole layout without ``sharded`` optimizer states (stage 0), this rank's shard in its
+    partition with them."""
+    if not sharded:
         return [(b.offset, b.padded) for b in layout.buckets]
     return [(at, b.shard) for b, at in zip(layout.buckets, shard_starts, strict=True)]
 

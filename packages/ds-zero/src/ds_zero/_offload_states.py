@@ -160,7 +160,7 @@ class OffloadStates:
         states = list(OffloadStateTypeEnum)
         if self.offload:  # the master copy and the optimizer step on the host (or NVMe) by design
             states = [s for s in states if s not in (OffloadStateTypeEnum.hp_params, OffloadStateTypeEnum.optim_states)]
-            if self.stage == 3:
+            if self.policy.shard_params:
                 states.remove(OffloadStateTypeEnum.lp_grads)
         return states
 

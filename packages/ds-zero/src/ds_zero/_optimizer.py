@@ -54,7 +54,6 @@ from ._filling import Filling
 from ._frozen import FrozenShards, partitioned_frozen
 from ._grad_slots import GradientSlots
 from ._groups import option_groups, step_runs
-from ._half import implied_precision
 from ._layout import FlatLayout
 from ._model import (
     broadcast_from_first_rank,
@@ -63,22 +62,18 @@ from ._model import (
     full_shape,
     is_init_partitioned,
     model_device,
-    param_name,
     trainable,
     unpartition,
     version,
 )
-from ._not_built import refuse_what_is_not_built
 from ._nvme import NvmeOptimizer
 from ._offload import HostOffload, host_places, nvme_step
 from ._offload_states import OffloadStates
+from ._policy import ZeroPolicy, resolve
 from ._precision import (
-    DTYPES,
     adam_recipe,
     cast_floating_inputs,
-    check_bf16_master,
     check_bf16_master_optimizer,
-    communication_dtype,
     fused_adam_step,
 )
 from ._reduction import Reduction
@@ -94,7 +89,6 @@ from ._stage3 import Stage3, plan_units
 from ._stage3_offload import partition_buffer
 from ._state import State
 from ._state_access import link_parameters
-from .config import BF16Config, FP16Config, ZeroConfig, mixed_precision
 
 logger = logging.getLogger(__name__)
 
@@ -150,103 +144,57 @@ class ZeroOptimizer(Reduction, State, OffloadStates, EngineCalls, Filling):
                  reduce_in_backward: bool = True, param_groups: Any = None,
                  checkpoint_names: dict[str, str] | None = None, model_parallel_group: Any = None,
                  tensor_parallel_rank: int = 0, gradient_averaging_size: int | None = None):
-        if not isinstance(model, nn.Module):
-            raise ValueError(f"ZeroOptimizer: model must be a torch.nn.Module, got {type(model).__name__}")
-        if not callable(optimizer):
-            raise ValueError(f"ZeroOptimizer: optimizer must be an optimizer class or a callable, got {optimizer!r}")
+        policy, self.config, fp16_config = resolve(model, optimizer, config, fp16, bf16, communication_data_type,
+                                                   gradient_clipping, gradient_accumulation_steps, reduce_in_backward)
         renames = checked_renames(model, checkpoint_names)
-        self.config = ZeroConfig.from_section_or_ds_config(config)
-        fp16_config = FP16Config.from_section_or_ds_config(fp16)
-        bf16_config = BF16Config.from_section_or_ds_config(bf16)
-        # a 16-bit model without either section: DeepSpeed's arithmetic for it (_half); stage 0 steps it directly
-        fp16_config, bf16_config, communication_data_type, implied = implied_precision(
-            model, fp16_config, bf16_config, communication_data_type)
-        direct = implied and self.config.stage == 0
-        self.precision = mixed_precision(fp16_config, bf16_config)
-        # bf16 gradients with inf/NaN skip the step, as DeepSpeed's check_grad_overflow does (fp16: the scaler)
-        self._check_overflow = self.precision == "bf16" and bf16_config.check_grad_overflow
-        # bf16 master weights and gradients: no float32 copy, the optimizer steps the bf16 partition
-        self._bf16_master = bool(bf16_config.bf16_master_weights_and_grads)
-        self._bf16_optimizer_states = bool(bf16_config.bf16_optimizer_states)
-        if self._bf16_master:
-            offload_to = self.config.offload_optimizer.device if self.config.offload_optimizer is not None else "none"
-            check_bf16_master(self.precision, self.config.stage, offload_to, self._bf16_optimizer_states)
-        self._bf16_master = self._bf16_master or direct  # no master copy: the 16-bit parameters are stepped
-        if self.precision == "fp16" and fp16_config.fp16_master_weights_and_grads:
-            raise NotImplementedError("fp16.fp16_master_weights_and_grads is not implemented in ds-zero "
-                                      f"{version()}: the master copy is float32; remove the key")
-        self.dtype = DTYPES[self.precision]
-        self.communication_data_type = communication_dtype(communication_data_type, self.precision)
-        refuse_what_is_not_built(self.config)
-        if isinstance(gradient_clipping, bool) or not isinstance(gradient_clipping, (int, float)) \
-                or not math.isfinite(gradient_clipping) or gradient_clipping < 0:
-            raise ValueError(f"gradient_clipping must be a number >= 0 (0: off), got {gradient_clipping!r}")
-        if isinstance(gradient_accumulation_steps, bool) or not isinstance(gradient_accumulation_steps, int) \
-                or gradient_accumulation_steps < 1:
-            raise ValueError(f"gradient_accumulation_steps must be an integer >= 1, got {gradient_accumulation_steps!r}")
-        if not reduce_in_backward and gradient_accumulation_steps != 1:
-            raise ValueError("ZeroOptimizer: reduce_in_backward=False means the caller accumulates the micro-steps and "
-                             "calls reduce_gradients() once per step; gradient_accumulation_steps must be 1, got "
-                             f"{gradient_accumulation_steps}")
-        if not reduce_in_backward and self.config.stage == 3:
-            raise ValueError("ZeroOptimizer: reduce_in_backward=False is for stages 0-2 (a pipeline stage's optimizer); "
-                             "stage 3 gathers and releases parameters in the backward's hooks")
-        self.reduce_in_backward = bool(reduce_in_backward)
-        if isinstance(optimizer, type) and hasattr(optimizer, "wants_averaged_gradients"):
-            self._check_compressed(optimizer.__name__)  # before the model is touched
+        self.policy: ZeroPolicy = policy
+        self.precision, self.dtype = policy.precision, policy.dtype
+        self.communication_data_type = policy.communication_dtype
+        self._check_overflow = policy.check_overflow  # bf16: inf/NaN gradients skip the step (check_grad_overflow)
+        self._bf16_master = policy.bf16_master  # no float32 copy: the optimizer steps the 16-bit partition
+        self._bf16_optimizer_states = policy.bf16_optimizer_states
+        self.reduce_in_backward = policy.reduce_in_backward
         params = trainable(model)
         group_of, group_options = option_groups(param_groups, model, params)
         if None in group_of:  # in no group: not optimized, held as a frozen parameter is
             params = [p for p, g in zip(params, group_of, strict=True) if g is not None]
             group_of = [g for g in group_of if g is not None]
         group_options, process_groups = split_process_groups(group_options)  # `_replicas`
-        for p in params:
-            if hasattr(p, "_ds_stage3"):
-                raise ValueError(f"ZeroOptimizer: parameter {param_name(model, p)} is managed by another stage-3 "
-                                 "ZeroOptimizer; close() that one first")
-            if p.dtype not in (torch.float32, self.dtype):
-                raise ValueError(f"ZeroOptimizer: parameter {param_name(model, p)} is {p.dtype}; {self.precision} "
-                                 f"training takes float32{'' if self.dtype == torch.float32 else f' or {self.dtype}'} "
-                                 "parameters")
+        policy.check_params(model, params)
         self.device = model_device(model, params)  # every buffer below is made there
         if not ds_comm.is_initialized():
             raise RuntimeError("ZeroOptimizer: the process group is not initialised; call ds_comm.init_distributed() first")
         self.model, self.group, self._params = model, group, params
         self.checkpoint_names = renames
-        self.stage = self.config.stage
-        offload_device = self.config.offload_optimizer.device if self.config.offload_optimizer is not None else "none"
-        self.offload = offload_device in ("cpu", "nvme")  # the optimizer steps on the CPU (ds_ops' Adam)
-        if offload_device == "nvme" and group_options is not None and len(group_options) > 1:
-            raise NotImplementedError("ZeroOptimizer: offload_optimizer.device 'nvme' steps one set of Adam options "
-                                      f"in ds-zero {version()}; got {len(group_options)} parameter groups: use one "
-                                      "group, or offload to 'cpu'")
+        offload_device = policy.offload_device
+        self.offload = policy.offload  # the optimizer steps on the CPU (ds_ops' Adam)
+        policy.check_param_groups(group_options)
         self._nvme = None  # NvmeOptimizer: Adam's states (and the master copy) on NVMe
         self.gradient_clipping, self.model_parallel_group = float(gradient_clipping), model_parallel_group
         self.gradient_accumulation_steps = gradient_accumulation_steps
         self.world_size, self.rank = ds_comm.get_world_size(group), ds_comm.get_rank(group)
         self.tensor_parallel_rank, self.gradient_averaging_size = check_model_parallel(
             tensor_parallel_rank, gradient_averaging_size, model_parallel_group, self.world_size)
-        self.scaler = LossScaler(fp16_config) if self.precision == "fp16" and not direct else None
+        self.scaler = LossScaler(fp16_config) if policy.loss_scaling else None
         self.skipped_steps = 0
         # parameters replicated over a subgroup of ``group`` (a param group's process_group): `_replicas`
         holders, self._replica_groups = replica_holders(process_groups, group_of, group)
         if self._replica_groups:
-            if self.stage == 3:  # (and so ZeRO-Infinity, offload_optimizer.device 'nvme', which needs stage 3)
-                refuse_replicas("zero_optimization.stage 3")
+            policy.check_replicas(refuse_replicas)
             check_and_broadcast(model, params, holders, self._replica_groups, group, self.world_size, self.device)
         else:
             check_same_model(model, params, group, self.world_size, self.device)
             broadcast_from_first_rank(model, group)
         managed = {id(p) for p in params}
         for p in model.parameters():  # built under Init: whole again, but stage 3's trainable and frozen ones
-            if is_init_partitioned(p) and (self.config.stage < 3 or (id(p) not in managed and p.requires_grad)):
+            if is_init_partitioned(p) and (not policy.shard_params or (id(p) not in managed and p.requires_grad)):
                 unpartition(p)
 
         bucket_size = min(self.config.reduce_bucket_size, OVERLAP_BUCKET_ELEMENTS)
         shapes = [full_shape(p) for p in params]
         units = hooked = None
-        params_on_nvme = self.config.offload_param is not None and self.config.offload_param.device == "nvme"
-        if self.stage == 3:  # one bucket per fetch unit (a module's parameters)
+        params_on_nvme = policy.params_on_nvme
+        if policy.shard_params:  # one bucket per fetch unit (a module's parameters)
             units, hooked = plan_units(model, params, self.config.leaf_module)
             # parameters on NVMe: every shard starts on a 4 KiB boundary of the file (O_DIRECT reads)
             align = 4096 // self.dtype.itemsize if params_on_nvme else 1
@@ -257,12 +205,12 @@ class ZeroOptimizer(Reduction, State, OffloadStates, EngineCalls, Filling):
         layout = self.layout
         self._bucket_groups = [self._replica_groups.get(b.ranks, group) for b in layout.buckets]  # reduced over
         self._shard_starts = layout.partition_offsets()
-        if self.stage == 3:  # the flat buffer is this rank's partition: ranges below are in it
+        if policy.shard_params:  # the flat buffer is this rank's partition: ranges below are in it
             self._owned = [(at, b.shard) for b, at in zip(layout.buckets, self._shard_starts, strict=True)]
         else:
-            self._owned = [self._shard(b) if self.stage > 0 else (b.offset, b.padded) for b in layout.buckets]
+            self._owned = [self._shard(b) if policy.shard_optimizer else (b.offset, b.padded) for b in layout.buckets]
         # parameters on NVMe: never touched, so never in RAM (its storage is dropped below)
-        self._flat = torch.zeros(layout.numel, dtype=self.dtype, device=self.device) if self.stage < 3 else \
+        self._flat = torch.zeros(layout.numel, dtype=self.dtype, device=self.device) if not policy.shard_params else \
             partition_buffer(layout.shard_numel, self.dtype, self.device, self.config, stepped_on_host=self.offload,
                              on_disk=params_on_nvme)
         self._master = None  # a float32 master copy of what this rank steps, when the model is 16-bit
@@ -270,9 +218,9 @@ class ZeroOptimizer(Reduction, State, OffloadStates, EngineCalls, Filling):
         # NVMe: the master copy is on disk; bf16 master weights: the bf16 partition is; ZeRO-Offload: on the host,
         # float32 for a float32 model too (bf16 master weights: the host mirrors the partition), see _offload
         self._host: HostOffload | None = None
-        master_numel = layout.numel if self.stage == 0 else layout.shard_numel
+        master_numel = layout.shard_numel if policy.shard_optimizer else layout.numel
         if self.offload:
-            self._host = HostOffload(self.device, master_numel, host_places(layout, self.stage, self._shard_starts),
+            self._host = HostOffload(self.device, master_numel, host_places(layout, policy.shard_optimizer, self._shard_starts),
                                      dtype=self.dtype, master_dtype=None if offload_device == "nvme" else
                                      self.dtype if self._bf16_master else torch.float32, mirror=self._bf16_master)
             self._master = None if self._bf16_master else self._host.master
@@ -285,7 +233,7 @@ class ZeroOptimizer(Reduction, State, OffloadStates, EngineCalls, Filling):
                                        rank=self.rank, pipeline_read=nvme.pipeline_read,
                                        pipeline_write=nvme.pipeline_write,
                                        param_dtype=self.dtype if params_on_nvme else None)
-        if self.stage == 3:
+        if policy.shard_params:
             self._fill_partitions(params)
         else:
             if self._master is not None:
@@ -295,40 +243,40 @@ class ZeroOptimizer(Reduction, State, OffloadStates, EngineCalls, Filling):
                 view.copy_(p.detach())
                 p.data = view
                 p.grad = None
-        if self.dtype != torch.float32 and not implied:  # the rest of the model (frozen parameters, buffers) too
+        if policy.cast_model:  # the rest of the model (frozen parameters, buffers) too
             for tensor in [*model.parameters(), *model.buffers()]:
                 if tensor.is_floating_point() and tensor.dtype != self.dtype and not hasattr(tensor, "ds_init_store"):
                     tensor.data = tensor.data.to(self.dtype)
-            if fp16_config.auto_cast and self.precision == "fp16":
+            if policy.auto_cast:
                 self._hooks.append(model.register_forward_pre_hook(cast_floating_inputs(self.dtype), with_kwargs=True))
         self._bucket_of = {id(p): slot.bucket for p, slot in zip(params, layout.slots, strict=True)}
         self._stage3 = None
-        if self.stage == 3:
+        if policy.shard_params:
             self._stage3 = Stage3(model, params, layout, [name for name, _ in units], hooked, self._flat,
                                   self._shard_starts, self.config, group, self._shard_modified,
                                   shards=self._nvme if params_on_nvme else None)
             for unit in self._stage3.units:  # DeepSpeed's flag: whole on every rank throughout training
                 for p in unit.params:
                     p.ds_persist = unit.persistent
-        frozen = partitioned_frozen(model, self.stage, self.dtype, managed)  # stage 3: partitioned too (_frozen)
+        frozen = partitioned_frozen(model, policy.shard_params, self.dtype, managed)  # stage 3: partitioned too (_frozen)
         self._frozen = FrozenShards(model, frozen, self.config, group, self.dtype, self._stage3) if frozen else None
         # the optimizer steps one tensor per run: a bucket's stepped range, split where the option group
         # changes (one run per bucket without param_groups); (bucket, offset in the range, length, group)
-        self._runs = step_runs(layout, self.stage, self.rank, group_of)
+        self._runs = step_runs(layout, policy.shard_optimizer, self.rank, group_of)
         self._group_of, self._group_count = group_of, len(group_options) if group_options is not None else 1
         self._run_starts = [[] for _ in layout.buckets]  # per bucket: (offset, run index), ascending
         for i, (b, at, _, _) in enumerate(self._runs):
             self._run_starts[b].append((at, i))
         # where each bucket's stepped part lives in the master copy (the flat buffer itself in float32)
-        if self._master is None or self.stage == 0:
+        if self._master is None or not policy.shard_optimizer:
             in_master = self._owned
         else:
             in_master = [(at, b.shard) for b, at in zip(layout.buckets, self._shard_starts, strict=True)]
         # stages 0-1: every .grad a view of one flat buffer, which backward accumulates into (`_grad_slots`)
-        self._grads = torch.zeros(layout.numel, dtype=self.dtype, device=self.device) if self.stage < 2 else None
-        self._slots = GradientSlots(model, params, layout, self.stage, self._grads)
+        self._grads = torch.zeros(layout.numel, dtype=self.dtype, device=self.device) if policy.whole_grads else None
+        self._slots = GradientSlots(model, params, layout, policy, self._grads)
         self._partition = None
-        if self.stage == 0:
+        if not policy.shard_optimizer:
             self._shard_grads = [self._grads[start:start + length] for start, length in self._owned]
         else:  # stage 1 too: each reduction averages the whole local accumulation into the partition anew
             self._partition = torch.zeros(layout.shard_numel, dtype=self.dtype, device=self.device)
@@ -368,7 +316,7 @@ class ZeroOptimizer(Reduction, State, OffloadStates, EngineCalls, Filling):
                                           f"ds-zero {version()}")
             if self._replica_groups:
                 refuse_replicas(f"a 1-bit optimizer ({type(self.optimizer).__name__})")
-            self._check_compressed(type(self.optimizer).__name__)
+            self.policy.check_compressed(type(self.optimizer).__name__)
             self.optimizer.bind(group, caller_reduces=True)
             self._mask_padding()
         self._average_now = not self._compressed or self.optimizer.wants_averaged_gradients()
@@ -416,6 +364,11 @@ class ZeroOptimizer(Reduction, State, OffloadStates, EngineCalls, Filling):
                 tensor.grad = self._master_grads[at:at + n]
             elif grad.dtype == tensor.dtype and grad.device == tensor.device:
                 tensor.grad = grad  # (a float32 master's fused step reads 16-bit gradients where they are)
+
+    @property
+    def stage(self) -> int:
+        """The ZeRO stage (``zero_optimization.stage``); what it means is `policy` (a `ZeroPolicy`)."""
+        return self.policy.stage
 
     # ------------------------------------------------------------------------------------- loop API
     @property
@@ -536,7 +489,7 @@ class ZeroOptimizer(Reduction, State, OffloadStates, EngineCalls, Filling):
             self._slots.point_at_views()  # a cleared or replaced .grad: its (zeroed) view again
         if self._partition is not None:
             self._partition.zero_()
-        if self.stage >= 2:
+        if self.policy.shard_grads:
             for p in self._params:
                 p.grad = None
 

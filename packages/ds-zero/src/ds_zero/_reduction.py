@@ -14,7 +14,7 @@ import torch
 
 import ds_comm
 
-from ._model import param_name, version
+from ._model import param_name
 
 logger = logging.getLogger("ds_zero._optimizer")
 
@@ -28,13 +28,13 @@ class Reduction:
         (bf16 gradients summed in float32). Received buffers take a reduce-scatter's output when it
         cannot land in the gradient partition directly (accumulation, another dtype)."""
         buckets, comm = self.layout.buckets, self.communication_data_type
-        staged = self.stage >= 1 or comm != self.dtype  # stage 1: the local accumulation stays in .grad
+        staged = self.policy.shard_optimizer or comm != self.dtype  # stage 1: the local accumulation stays in .grad
         count = min(2, len(buckets)) if staged else 0
         self._bucket_buffers = [torch.zeros(max(b.padded for b in buckets), dtype=comm, device=self.device)
                                 for _ in range(count)]
         self._buffer_work: list[Any] = [None] * count
         self._next_buffer = 0
-        received = staged and self.stage > 0 and (comm != self.dtype or self.gradient_accumulation_steps > 1)
+        received = staged and self.policy.shard_optimizer and (comm != self.dtype or self.gradient_accumulation_steps > 1)
         shard = max(b.shard for b in buckets) if received else 0
         self._received = [torch.zeros(shard, dtype=comm, device=self.device) for _ in range(count)] if received else []
 
@@ -46,13 +46,13 @@ class Reduction:
             self._callback_queued = True
             # stages 2-3 cannot take a reduced gradient back when the user clears .grad (`_grad_slots`): what
             # another optimizer's backward makes here waits in .grad (stages 0-1 reduce it, as DDP does)
-            self._foreign_pass = self.stage >= 2 and self._slots.foreign(self)
+            self._foreign_pass = self.policy.shard_grads and self._slots.foreign(self)
             torch.autograd.Variable._execution_engine.queue_callback(self._after_backward)
         index = self._index_of[id(param)]
         if self._foreign_pass:
             self._slots.hold(index)
             return
-        if self.stage < 2:
+        if self.policy.whole_grads:
             self._slots.adopt(index)  # into ZeRO's buffer, wherever autograd put it
         else:
             self._slots.reduced(index)  # (reduced with its bucket, held or not)
@@ -68,7 +68,7 @@ class Reduction:
         foreign, self._foreign_pass = self._foreign_pass, False
         if self._reduces_now() and not foreign:
             self._reduce_leftovers()
-            if self.stage < 2 and self.is_gradient_accumulation_boundary:
+            if self.policy.whole_grads and self.is_gradient_accumulation_boundary:
                 # .grad holds the averaged gradients when backward returns (stage 0), as with DDP, and the next
                 # backward may accumulate into the buffer: nothing of it stays in flight
                 waited = time.perf_counter()
@@ -101,7 +101,7 @@ class Reduction:
             self._boundary_reduced = True
 
     def _reduces_now(self) -> bool:
-        return (self.stage >= 2 or self.is_gradient_accumulation_boundary) and self._average_now
+        return (self.policy.shard_grads or self.is_gradient_accumulation_boundary) and self._average_now
 
     def _reduce(self, b: int) -> None:
         """Start bucket ``b``'s reduction: gradients × 1/world_size (DDP's arithmetic; 1/gradient_averaging_size
@@ -116,7 +116,7 @@ class Reduction:
         # sequence parallelism (summed over the sequence ranks, averaged over the data ranks)
         scale = 1.0 / self.gradient_averaging_size
         mine = self._shard_grads[b]  # this rank's reduced gradients of the bucket end up here
-        if self.stage < 2:
+        if self.policy.whole_grads:
             self._slots.sync(bucket.slots)  # every .grad in the buffer (a replaced one copied, a cleared one zero)
             grads = self._grads[bucket.offset:bucket.offset + bucket.padded]
             if not self._bucket_buffers:  # stage 0: all-reduced in place, DDP's arithmetic
@@ -141,14 +141,14 @@ class Reduction:
                 buffer[bucket.numel:].zero_()
             if self._stage3 is not None:  # backward is done with this unit's parameters
                 self._stage3.after_reduction(b)
-        if self.stage == 0:
+        if not self.policy.shard_optimizer:
             work = ds_comm.all_reduce(buffer, group=group, async_op=True)
             self._buffer_work[which] = (work, self._landed(b, lambda: grads.copy_(buffer)))
             return
         # The first micro-step of an accumulation writes the shard directly when the dtypes agree;
         # otherwise the reduce-scatter lands in a received buffer, then is copied or added. Stage 1 reduces
         # the whole local accumulation each time (.grad keeps it): its result replaces the shard's.
-        first = self.stage == 1 or not self._accumulated
+        first = self.policy.reduces_whole_accumulation or not self._accumulated
         if first and mine.dtype == buffer.dtype:
             work = ds_comm.reduce_scatter_bucket(buffer, mine, group=group, async_op=True)
             self._buffer_work[which] = (work, self._landed(b, None))
@@ -190,7 +190,7 @@ class Reduction:
         return which, self._bucket_buffers[which][:length]
 
     def _wait_reductions(self) -> None:
-        held = self._slots.take_held() if self.stage >= 2 and self._average_now else []
+        held = self._slots.take_held() if self.policy.shard_grads and self._average_now else []
         if held:  # gradients another optimizer's backward made and the user kept: reduced now (`_grad_slots`)
             self._fired = set(held)
             for b in sorted({self._bucket_of[id(self._params[i])] for i in held}):
@@ -248,9 +248,9 @@ class Reduction:
         them over their group, at stage 0 each group's first rank counts them (`_replicated_norm`)."""
         first = self.tensor_parallel_rank == 0
         counted = [not getattr(p, "ds_pipe_replicated", False) and (first or _sliced(p)) for p in self._params]
-        if self.stage == 0 and self._replica_groups:
+        if not self.policy.shard_optimizer and self._replica_groups:
             norm = self._replicated_norm(counted)
-        elif self.stage == 0:
+        elif not self.policy.shard_optimizer:
             grads = [p.grad for p, c in zip(self._params, counted, strict=True) if c]
             if self.dtype == torch.float32:
                 norms = torch._foreach_norm(grads)
@@ -301,20 +301,6 @@ class Reduction:
         except Exception as e:  # the group may be gone already; nothing to finish then
             logger.debug("ZeroOptimizer.close: pending reductions not completed (%s)", e)
 
-    def _check_compressed(self, name: str) -> None:
-        """A 1-bit optimizer runs at stage 0 in fp32 or bf16, reducing in its own backward hooks."""
-        if self.config.stage != 0:
-            raise ValueError(f"zero_optimization.stage is {self.config.stage}: {name} compresses the data-parallel "
-                             "communication itself and runs with stage 0 only (as DeepSpeed's 1-bit optimizers); "
-                             "set zero_optimization.stage to 0")
-        if self.precision == "fp16":
-            raise NotImplementedError(f"fp16 with {name} is not implemented in ds-zero {version()}: its loss-scale "
-                                      "check would read gradients that differ between ranks after warm-up; use bf16 "
-                                      "or fp32")
-        if not self.reduce_in_backward:
-            raise ValueError(f"{name} decides per step whether gradients are averaged; it cannot be stepped by a "
-                             "caller that reduces by hand (reduce_in_backward=False, a pipeline stage)")
-
     def _mask_padding(self) -> None:
         """Tell a 1-bit optimizer where the parameters lie in each group's flat tensor (its runs, in
         order): the buckets' padding stays zero (compressed, it would not), and 1-bit LAMB takes its trust
@@ -336,7 +322,7 @@ class Reduction:
         into the units gathered now (stage 3: the others are gathered when used)."""
         if self._stage3 is not None:
             self._stage3.after_step()
-        elif self.stage > 0:
+        elif self.policy.shard_optimizer:
             self._gather_parameters()
 
     def _gather_parameters(self) -> None:

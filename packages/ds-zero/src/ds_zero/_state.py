@@ -68,7 +68,7 @@ class State:
         self._refuse_with_nvme("state_dict")
         state = {**self._identity(), "micro_step": self._micro_step, "optimizer": self.optimizer.state_dict(),
                  "skipped_steps": self.skipped_steps}
-        if self.stage == 3:
+        if self.policy.shard_params:
             state["partition"] = self._flat.clone()
         if self._master is not None:
             state["master"] = self._master.clone()
@@ -90,7 +90,7 @@ class State:
                                  f"has {key}={short(value)}")
         self.optimizer.load_state_dict(state["optimizer"])
         self._next_reduction()
-        if self.stage == 3:
+        if self.policy.shard_params:
             self._flat.copy_(state["partition"])
         self._micro_step = int(state["micro_step"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
@@ -100,5 +100,5 @@ class State:
             self._master.copy_(state["master"])
             for copy, tensor in zip(self._copies, self._step_params, strict=True):
                 copy.copy_(tensor.detach())
-        if self._master is not None or self.stage == 3:
+        if self._master is not None or self.policy.shard_params:
             self._refresh_parameters()

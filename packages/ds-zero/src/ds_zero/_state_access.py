@@ -73,7 +73,7 @@ class _Where:
 
 def _where(zero: ZeroOptimizer, index: int) -> _Where:
     slot = zero.layout.slots[index]
-    if zero.stage == 0:  # every rank steps every element: the whole parameter is "this rank's piece"
+    if not zero.policy.shard_optimizer:  # every rank steps every element: the whole parameter is "this rank's piece"
         run, at = zero._step_position(slot.bucket, slot.offset - zero.layout.buckets[slot.bucket].offset)
         return _Where(0, slot.numel, slot.offset, slot.offset, run, at)
     if zero not in _pieces:
@@ -81,7 +81,7 @@ def _where(zero: ZeroOptimizer, index: int) -> _Where:
     piece = _pieces[zero].get(index)
     if piece is None:
         return _Where(0, 0, 0, 0, -1, 0)
-    flat_layout = zero._master is None and zero.stage < 3  # the master is the flat buffer, laid out whole
+    flat_layout = zero._master is None and not zero.policy.shard_params  # the master is the flat buffer, laid out whole
     in_master = slot.offset + piece.param_offset if flat_layout else piece.partition_offset
     run, at = zero._step_position(piece.bucket, piece.partition_offset - zero._shard_starts[piece.bucket])
     return _Where(piece.param_offset, piece.numel, piece.partition_offset, in_master, run, at)
@@ -101,7 +101,7 @@ def _local_owner(what: str, param: Any) -> tuple[ZeroOptimizer, int] | None:
         if hasattr(param, "ds_id"):  # a ZeRO-3 parameter ZeRO does not train (frozen): DeepSpeed's None
             return None
         raise ValueError(f"{what} is defined for ZeRO-3 partitioned parameters; this tensor is not one")
-    if owner[0].stage != 3:
+    if not owner[0].policy.shard_params:
         raise ValueError(f"{what} is defined for ZeRO-3 partitioned parameters; this parameter's optimizer runs "
                          f"zero_optimization.stage {owner[0].stage}: use the safe_get_full_*/safe_set_full_* form")
     return owner
@@ -110,7 +110,7 @@ def _local_owner(what: str, param: Any) -> tuple[ZeroOptimizer, int] | None:
 def _assemble(zero: ZeroOptimizer, index: int, where: _Where, piece: torch.Tensor | None) -> torch.Tensor:
     """The whole parameter-shaped float32 tensor from every rank's ``piece`` (an all-reduce of disjoint parts)."""
     slot = zero.layout.slots[index]
-    if zero.stage == 0:
+    if not zero.policy.shard_optimizer:
         return _on_device(zero, piece).view(slot.shape)
     out = torch.zeros(slot.numel, dtype=torch.float32, device=zero.device)
     if where.numel:
@@ -163,7 +163,7 @@ def _write_model(zero: ZeroOptimizer, index: int, where: _Where, whole: torch.Te
     """The model's (16-bit) weight follows a new master value: below stage 3 the parameter itself (a view of
     the flat buffer, whole on every rank); at stage 3 this rank's shard, and the parameter if it is gathered."""
     param = zero._params[index]
-    if zero.stage < 3:
+    if not zero.policy.shard_params:
         param.data.copy_(whole.view(param.shape))
         return
     if where.numel:
@@ -319,7 +319,8 @@ def _gradient(zero: ZeroOptimizer, index: int, what: str) -> tuple[torch.Tensor,
                            "'immediately after backward and before engine step'); none is held now")
     zero.wait_reductions()
     param = zero._params[index]
-    if zero.stage == 0 or (zero.stage == 1 and not zero._boundary_reduced):
+    policy = zero.policy
+    if not policy.shard_optimizer or (policy.reduces_whole_accumulation and not zero._boundary_reduced):
         return zero._grads[zero.layout.slots[index].offset:][:param.numel()], True
     where = _where(zero, index)  # stages 1-3: this rank's reduced piece, in the partition
     return zero._partition[where.in_partition:where.in_partition + where.numel], False
