@@ -54,7 +54,9 @@ from ._filling import Filling
 from ._frozen import FrozenShards, partitioned_frozen
 from ._grad_slots import GradientSlots
 from ._groups import option_groups, step_runs
+from ._internals import ZeroInternals
 from ._layout import FlatLayout
+from ._master import MasterStep, master_step
 from ._model import (
     broadcast_from_first_rank,
     check_same_model,
@@ -67,15 +69,15 @@ from ._model import (
     version,
 )
 from ._nvme import NvmeOptimizer
-from ._offload import HostOffload, host_places, nvme_step
+from ._offload import HostOffload, host_places
 from ._offload_states import OffloadStates
 from ._policy import ZeroPolicy, resolve
 from ._precision import (
     adam_recipe,
     cast_floating_inputs,
     check_bf16_master_optimizer,
-    fused_adam_step,
 )
+from ._records import build_records
 from ._reduction import Reduction
 from ._replicas import (
     check_and_broadcast,
@@ -85,8 +87,7 @@ from ._replicas import (
     split_process_groups,
 )
 from ._scaler import LossScaler
-from ._stage3 import Stage3, plan_units
-from ._stage3_offload import partition_buffer
+from ._sharded import ShardedParams
 from ._state import State
 from ._state_access import link_parameters
 
@@ -191,17 +192,19 @@ class ZeroOptimizer(Reduction, State, OffloadStates, EngineCalls, Filling):
                 unpartition(p)
 
         bucket_size = min(self.config.reduce_bucket_size, OVERLAP_BUCKET_ELEMENTS)
-        shapes = [full_shape(p) for p in params]
-        units = hooked = None
         params_on_nvme = policy.params_on_nvme
-        if policy.shard_params:  # one bucket per fetch unit (a module's parameters)
-            units, hooked = plan_units(model, params, self.config.leaf_module)
-            # parameters on NVMe: every shard starts on a 4 KiB boundary of the file (O_DIRECT reads)
-            align = 4096 // self.dtype.itemsize if params_on_nvme else 1
-            self.layout = FlatLayout(shapes, world_size=self.world_size, bucket_size=bucket_size,
-                                     groups=[members for _, members in units], align=align)
+        self._sharded: ShardedParams | None = None
+        if policy.shard_params:  # one bucket per fetch unit (a module's parameters), the flat buffer a partition
+            # parameters on NVMe: every shard starts on a 4 KiB boundary of the file (O_DIRECT reads), and the
+            # partition is never touched, so never in RAM (its storage is dropped below)
+            self._sharded = ShardedParams(model, params, config=self.config, group=group, dtype=self.dtype,
+                                          device=self.device, bucket_size=bucket_size,
+                                          align=4096 // self.dtype.itemsize if params_on_nvme else 1,
+                                          stepped_on_host=self.offload, on_disk=params_on_nvme)
+            self.layout = self._sharded.layout
         else:
-            self.layout = FlatLayout(shapes, world_size=self.world_size, bucket_size=bucket_size, holders=holders)
+            self.layout = FlatLayout([full_shape(p) for p in params], world_size=self.world_size,
+                                     bucket_size=bucket_size, holders=holders)
         layout = self.layout
         self._bucket_groups = [self._replica_groups.get(b.ranks, group) for b in layout.buckets]  # reduced over
         self._shard_starts = layout.partition_offsets()
@@ -209,10 +212,8 @@ class ZeroOptimizer(Reduction, State, OffloadStates, EngineCalls, Filling):
             self._owned = [(at, b.shard) for b, at in zip(layout.buckets, self._shard_starts, strict=True)]
         else:
             self._owned = [self._shard(b) if policy.shard_optimizer else (b.offset, b.padded) for b in layout.buckets]
-        # parameters on NVMe: never touched, so never in RAM (its storage is dropped below)
-        self._flat = torch.zeros(layout.numel, dtype=self.dtype, device=self.device) if not policy.shard_params else \
-            partition_buffer(layout.shard_numel, self.dtype, self.device, self.config, stepped_on_host=self.offload,
-                             on_disk=params_on_nvme)
+        self._flat = self._sharded.partition if self._sharded is not None else \
+            torch.zeros(layout.numel, dtype=self.dtype, device=self.device)
         self._master = None  # a float32 master copy of what this rank steps, when the model is 16-bit
         self._hooks: list[Any] = []  # removed by close()
         # NVMe: the master copy is on disk; bf16 master weights: the bf16 partition is; ZeRO-Offload: on the host,
@@ -233,8 +234,9 @@ class ZeroOptimizer(Reduction, State, OffloadStates, EngineCalls, Filling):
                                        rank=self.rank, pipeline_read=nvme.pipeline_read,
                                        pipeline_write=nvme.pipeline_write,
                                        param_dtype=self.dtype if params_on_nvme else None)
-        if policy.shard_params:
-            self._fill_partitions(params)
+        if self._sharded is not None:  # this rank's shards (and master copy), the parameters released
+            self._sharded.fill(master=self._master, clear_grads=True, on_disk=self._nvme.write_params
+                               if self._nvme is not None and self._nvme.param_dtype is not None else None)
         else:
             if self._master is not None:
                 self._fill_master(params)
@@ -250,23 +252,19 @@ class ZeroOptimizer(Reduction, State, OffloadStates, EngineCalls, Filling):
             if policy.auto_cast:
                 self._hooks.append(model.register_forward_pre_hook(cast_floating_inputs(self.dtype), with_kwargs=True))
         self._bucket_of = {id(p): slot.bucket for p, slot in zip(params, layout.slots, strict=True)}
-        self._stage3 = None
-        if policy.shard_params:
-            self._stage3 = Stage3(model, params, layout, [name for name, _ in units], hooked, self._flat,
-                                  self._shard_starts, self.config, group, self._shard_modified,
-                                  shards=self._nvme if params_on_nvme else None)
-            for unit in self._stage3.units:  # DeepSpeed's flag: whole on every rank throughout training
-                for p in unit.params:
-                    p.ds_persist = unit.persistent
+        self._stage3 = None if self._sharded is None else \
+            self._sharded.attach(on_modified=self._shard_modified, shards=self._nvme if params_on_nvme else None)
         frozen = partitioned_frozen(model, policy.shard_params, self.dtype, managed)  # stage 3: partitioned too (_frozen)
         self._frozen = FrozenShards(model, frozen, self.config, group, self.dtype, self._stage3) if frozen else None
         # the optimizer steps one tensor per run: a bucket's stepped range, split where the option group
         # changes (one run per bucket without param_groups); (bucket, offset in the range, length, group)
         self._runs = step_runs(layout, policy.shard_optimizer, self.rank, group_of)
         self._group_of, self._group_count = group_of, len(group_options) if group_options is not None else 1
-        self._run_starts = [[] for _ in layout.buckets]  # per bucket: (offset, run index), ascending
-        for i, (b, at, _, _) in enumerate(self._runs):
-            self._run_starts[b].append((at, i))
+        # where each parameter's pieces live (the master copy is laid out as the partition when it is one)
+        self._records = build_records(layout, params, self.rank, sharded=policy.shard_optimizer,
+                                      master_in_partition=policy.shard_optimizer and (
+                                          self._master is not None or policy.shard_params),
+                                      shard_starts=self._shard_starts, runs=self._runs, groups=self._bucket_groups)
         # where each bucket's stepped part lives in the master copy (the flat buffer itself in float32)
         if self._master is None or not policy.shard_optimizer:
             in_master = self._owned
@@ -334,6 +332,10 @@ class ZeroOptimizer(Reduction, State, OffloadStates, EngineCalls, Filling):
         self._host_grads, self._host_copies = self._host.views(on_host) if self._host is not None else ([], None)
         self._in_master = in_master
         self._point_step_grads()
+        self._master_step: MasterStep | None = master_step(
+            recipe=self._recipe, nvme=self._nvme, host=self._host, tensors=self._step_params, grads=self._step_grads,
+            host_grads=self._host_grads, host_copies=self._host_copies, copies=self._copies,
+            master_grads=self._master_grads)
 
         self._index_of = {id(p): i for i, p in enumerate(params)}
         link_parameters(self)  # each parameter finds its optimizer (ds_zero.safe_get_full_fp32_param & co)
@@ -364,6 +366,11 @@ class ZeroOptimizer(Reduction, State, OffloadStates, EngineCalls, Filling):
                 tensor.grad = self._master_grads[at:at + n]
             elif grad.dtype == tensor.dtype and grad.device == tensor.device:
                 tensor.grad = grad  # (a float32 master's fused step reads 16-bit gradients where they are)
+
+    @property
+    def internals(self) -> ZeroInternals:
+        """What this optimizer keeps to itself, for ds-zero's checkpoint and state access (`ZeroInternals`)."""
+        return _Internals(self)
 
     @property
     def stage(self) -> int:
@@ -447,34 +454,8 @@ class ZeroOptimizer(Reduction, State, OffloadStates, EngineCalls, Filling):
             logger.warning("bf16: a gradient is inf or NaN, step skipped (bf16.check_grad_overflow)")
             return False
         self._global_grad_norm = float(norm) / scale
-        if self._recipe is not None:
-            coefficient = 1.0
-            if self.gradient_clipping > 0:
-                coefficient = min(1.0, self.gradient_clipping / (self._global_grad_norm + 1e-6))
-            if self._nvme is not None:
-                nvme_step(self, scale / coefficient)
-            elif self._host is not None:
-                self._host.adam_step(self.optimizer, self._recipe, self._step_params, self._host_grads,
-                                     self._host_copies, scale / coefficient)
-            else:
-                fused_adam_step(self.optimizer, self._recipe, self._step_params, self._step_grads,
-                                self._copies, scale / coefficient)
-        elif self._master_grads is not None:
-            multiplier = 1.0 / scale
-            if self.gradient_clipping > 0:
-                multiplier *= min(1.0, self.gradient_clipping / (self._global_grad_norm + 1e-6))
-            for tensor, grad in zip(self._step_params, self._step_grads, strict=True):
-                tensor.grad.copy_(grad).mul_(multiplier)  # widened first, then scaled in float32
-            self.optimizer.step()
-            self._next_reduction()
-            for copy, tensor in zip(self._copies, self._step_params, strict=True):
-                copy.copy_(tensor.detach())
-        else:
-            if self.gradient_clipping > 0:  # torch.nn.utils.clip_grad_norm_'s arithmetic, in float32
-                coefficient = (self.gradient_clipping / (norm + 1e-6)).clamp(max=1.0)
-                torch._foreach_mul_([t.grad for t in self._step_params], coefficient)
-            self.optimizer.step()
-            self._next_reduction()
+        self._master_step.step(self.optimizer, norm, self._global_grad_norm, scale, self.gradient_clipping)
+        self._next_reduction()  # (a 1-bit optimizer's step decides whether the next gradients are averaged)
         self._refresh_parameters()
         return True
 
@@ -520,9 +501,68 @@ class ZeroOptimizer(Reduction, State, OffloadStates, EngineCalls, Filling):
         self._grads = self._partition = self._master = self._master_grads = None
         self._bucket_buffers, self._received, self._step_grads, self._copies = [], [], [], None
         self._shard_grads, self._host_grads, self._host_copies, self._host = [], [], None, None
+        self._master_step = None
         self._closed = True
 
     def get_global_grad_norm(self) -> float | None:
         """The L2 norm of the whole (reduced, unscaled, unclipped) gradient at the last step; None
         before one and after a skipped (overflowed) step."""
         return self._global_grad_norm
+
+
+class _Internals:
+    """`ZeroInternals` over one `ZeroOptimizer` (a view: it reads the optimizer's current parts)."""
+
+    __slots__ = ("_zero",)
+
+    def __init__(self, zero: ZeroOptimizer):
+        self._zero = zero
+
+    records = property(lambda self: self._zero._records)
+    step_tensors = property(lambda self: self._zero._step_params)
+    flat = property(lambda self: self._zero._flat)
+    nvme = property(lambda self: self._zero._nvme)
+    host = property(lambda self: self._zero._host)
+    frozen = property(lambda self: self._zero._frozen)
+    recipe = property(lambda self: self._zero._recipe)
+    replica_groups = property(lambda self: self._zero._replica_groups)
+    closed = property(lambda self: self._zero._closed)
+    accumulated = property(lambda self: self._zero._accumulated)
+    boundary_reduced = property(lambda self: self._zero._boundary_reduced)
+    grad_buffer = property(lambda self: self._zero._grads)
+    grad_partition = property(lambda self: self._zero._partition)
+
+    @property
+    def master(self) -> torch.Tensor:
+        return self._zero._flat if self._zero._master is None else self._zero._master
+
+    @property
+    def has_master_copy(self) -> bool:
+        return self._zero._master is not None
+
+    @property
+    def micro_step(self) -> int:
+        return self._zero._micro_step
+
+    @micro_step.setter
+    def micro_step(self, value: int) -> None:
+        self._zero._micro_step = int(value)
+
+    def wait_reductions(self) -> None:
+        self._zero.wait_reductions()
+
+    def gradients_changed(self) -> None:
+        if self._zero._host is not None:
+            self._zero._host.forget_downloads()
+
+    def master_loaded(self) -> None:
+        zero = self._zero
+        if zero._master is not None:
+            for copy, tensor in zip(zero._copies, zero._step_params, strict=True):
+                copy.copy_(tensor.detach())
+        if zero._nvme is not None and zero._nvme.master:  # 16-bit parameters from the master copy on disk
+            zero._nvme.params_from_master(zero._flat if zero._nvme.param_dtype is None else None)
+        zero._refresh_parameters()
+
+    def next_reduction(self) -> None:
+        self._zero._next_reduction()

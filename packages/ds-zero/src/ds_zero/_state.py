@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from ._model import short
+from ._sharded import full_state_dict
 
 
 class State:
@@ -18,19 +19,8 @@ class State:
         """The model's ``state_dict()`` with every parameter whole, as copies in its training dtype
         (stage 3 gathers one unit at a time: every rank calls it). With ``rank0_only`` the other ranks
         get ``{}`` and hold no copy (``stage3_gather_16bit_weights_on_model_save``)."""
-        keep = not rank0_only or self.rank == 0
-        whole: dict[int, torch.Tensor] = {}
-        frozen = getattr(self, "_frozen", None)  # stage 3's partitioned frozen parameters (ZeroOptimizer's)
-        for stage3 in (self._stage3, frozen.stage3 if frozen is not None else None):
-            for unit in stage3.units if stage3 is not None else ():
-                stage3.hold(unit)
-                if keep:
-                    whole.update({id(p): p.detach().clone() for p in unit.params})
-                stage3.unhold(unit, None)
-        if not keep:
-            return {}
-        return {name: whole[id(t)] if id(t) in whole else t.detach().clone()
-                for name, t in self.model.state_dict(keep_vars=True).items()}
+        frozen = self._frozen.stage3 if self._frozen is not None else None  # stage 3's partitioned frozen ones
+        return full_state_dict(self.model, [self._stage3, frozen], keep=not rank0_only or self.rank == 0)
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes this rank holds for the model's states, by kind: ``params`` (the flat parameters,
