@@ -59,17 +59,17 @@ class _FrozenStage3(Stage3):
     peer: Stage3 | None = None
     _last_backward: int | None = None
 
-    def _pack(self, tensor: torch.Tensor) -> Any:
-        saved = super()._pack(tensor)
+    def pack_saved(self, tensor: torch.Tensor) -> Any:
+        saved = super().pack_saved(tensor)
         if saved is tensor and self.peer is not None:
-            other = self.peer._pack(tensor)
+            other = self.peer.pack_saved(tensor)
             return tensor if other is tensor else _PeerSaved(other)
         return saved
 
-    def _unpack(self, saved: Any) -> torch.Tensor:
+    def unpack_saved(self, saved: Any) -> torch.Tensor:
         if isinstance(saved, _PeerSaved):
-            return self.peer._unpack(saved.inner)
-        return super()._unpack(saved)
+            return self.peer.unpack_saved(saved.inner)
+        return super().unpack_saved(saved)
 
     def _backward_request(self, unit) -> None:
         last = self._last_backward

@@ -108,3 +108,18 @@ def master_step(*, recipe: Any, nvme: Any, host: Any, tensors: list[torch.Tensor
     if master_grads is not None:
         return WidenedMaster(tensors, grads, copies)
     return InPlace(tensors)
+
+
+def step_grad_views(tensors: list[torch.Tensor], grads: list[torch.Tensor], in_master: list[tuple[int, int]],
+                    master_grads: torch.Tensor | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(tensor, its ``.grad``) for each tensor the optimizer steps: its slice of the float32 gradient buffer of a
+    non-Adam optimizer over a 16-bit model (``master_grads``, laid out as the master copy: ``in_master``), else
+    its reduced gradients ``grads`` where they have its dtype and device (a float32 master's fused step reads
+    16-bit gradients where they are, without a ``.grad``)."""
+    out = []
+    for tensor, grad, (at, n) in zip(tensors, grads, in_master, strict=True):
+        if master_grads is not None:
+            out.append((tensor, master_grads[at:at + n]))
+        elif grad.dtype == tensor.dtype and grad.device == tensor.device:
+            out.append((tensor, grad))
+    return out

@@ -49,14 +49,15 @@ from torch import nn
 
 import ds_comm
 
+from ._collectives import gather_buckets, grad_norm
 from ._engine_calls import EngineCalls
-from ._filling import Filling
+from ._filling import check_optimizer, fill_master, shard_modified
 from ._frozen import FrozenShards, partitioned_frozen
 from ._grad_slots import GradientSlots
-from ._groups import option_groups, step_runs
+from ._groups import mask_padding, option_groups, step_runs
 from ._internals import ZeroInternals
 from ._layout import FlatLayout
-from ._master import MasterStep, master_step
+from ._master import MasterStep, master_step, step_grad_views
 from ._model import (
     broadcast_from_first_rank,
     check_same_model,
@@ -78,7 +79,7 @@ from ._precision import (
     check_bf16_master_optimizer,
 )
 from ._records import build_records
-from ._reduction import Reduction
+from ._reduction import GradientReducer
 from ._replicas import (
     check_and_broadcast,
     check_model_parallel,
@@ -99,7 +100,7 @@ logger = logging.getLogger(__name__)
 # keep stage 2's bucket buffers small; measured on the engine workload, see the README.
 OVERLAP_BUCKET_ELEMENTS = 1 << 22
 
-class ZeroOptimizer(Reduction, State, OffloadStates, EngineCalls, Filling):
+class ZeroOptimizer(State, OffloadStates, EngineCalls):
     """ZeRO stages 0-3 for ``model`` with ``optimizer`` (a class or a callable taking the list of
     tensors to optimize), in a plain loop::
 
@@ -211,7 +212,7 @@ class ZeroOptimizer(Reduction, State, OffloadStates, EngineCalls, Filling):
         if policy.shard_params:  # the flat buffer is this rank's partition: ranges below are in it
             self._owned = [(at, b.shard) for b, at in zip(layout.buckets, self._shard_starts, strict=True)]
         else:
-            self._owned = [self._shard(b) if policy.shard_optimizer else (b.offset, b.padded) for b in layout.buckets]
+            self._owned = [layout.shard_range(b, self.rank) if policy.shard_optimizer else (b.offset, b.padded) for b in layout.buckets]
         self._flat = self._sharded.partition if self._sharded is not None else \
             torch.zeros(layout.numel, dtype=self.dtype, device=self.device)
         self._master = None  # a float32 master copy of what this rank steps, when the model is 16-bit
@@ -239,7 +240,7 @@ class ZeroOptimizer(Reduction, State, OffloadStates, EngineCalls, Filling):
                                if self._nvme is not None and self._nvme.param_dtype is not None else None)
         else:
             if self._master is not None:
-                self._fill_master(params)
+                fill_master(self._master, params, layout, self.rank, sharded=policy.shard_optimizer, dtype=self.dtype)
             for p, slot in zip(params, layout.slots, strict=True):
                 view = self._flat[slot.offset:slot.offset + slot.numel].view(p.shape)
                 view.copy_(p.detach())
@@ -251,9 +252,9 @@ class ZeroOptimizer(Reduction, State, OffloadStates, EngineCalls, Filling):
                     tensor.data = tensor.data.to(self.dtype)
             if policy.auto_cast:
                 self._hooks.append(model.register_forward_pre_hook(cast_floating_inputs(self.dtype), with_kwargs=True))
-        self._bucket_of = {id(p): slot.bucket for p, slot in zip(params, layout.slots, strict=True)}
-        self._stage3 = None if self._sharded is None else \
-            self._sharded.attach(on_modified=self._shard_modified, shards=self._nvme if params_on_nvme else None)
+        self._stage3 = None if self._sharded is None else self._sharded.attach(  # (the master as it is then)
+            on_modified=lambda b, v: shard_modified(self._master, self._nvme, self._shard_starts, b, v),
+            shards=self._nvme if params_on_nvme else None)
         frozen = partitioned_frozen(model, policy.shard_params, self.dtype, managed)  # stage 3: partitioned too (_frozen)
         self._frozen = FrozenShards(model, frozen, self.config, group, self.dtype, self._stage3) if frozen else None
         # the optimizer steps one tensor per run: a bucket's stepped range, split where the option group
@@ -287,7 +288,13 @@ class ZeroOptimizer(Reduction, State, OffloadStates, EngineCalls, Filling):
         in_master = [(in_master[b][0] + at, n) for b, at, n, _ in self._runs]
         on_host = [(self._host.places[b][0] + at, n) for b, at, n, _ in self._runs] if self._host is not None else []
         self._owned = [(self._owned[b][0] + at, n) for b, at, n, _ in self._runs]
-        self._make_reduction_buffers()
+        self._reducer = GradientReducer(
+            owner=self, model=model, layout=layout, policy=policy, params=params, grads=self._grads,
+            shard_grads=self._shard_grads, slots=self._slots, groups=self._bucket_groups,
+            averaging_size=self.gradient_averaging_size, accumulation_steps=gradient_accumulation_steps,
+            device=self.device, ignore_unused=self.config.ignore_unused_parameters,
+            is_boundary=lambda: self.is_gradient_accumulation_boundary, trained_stage3=self._stage3,
+            frozen_stage3=self._frozen.stage3 if self._frozen is not None else None, host=self._host)
         self._pieces = layout.pieces(self.rank)  # for the gradient norm at stages 1-2
         master = self._flat if self._master is None else self._master
         stepped = in_master
@@ -300,7 +307,7 @@ class ZeroOptimizer(Reduction, State, OffloadStates, EngineCalls, Filling):
             self.optimizer = optimizer([{**options, "params": [t for t, run in zip(self._step_params, self._runs,
                                                                                    strict=True) if run[3] == g]}
                                         for g, options in enumerate(group_options)], **(optimizer_kwargs or {}))
-        self._check_optimizer()
+        check_optimizer(self.optimizer, self.offload)
         if self._bf16_master:
             check_bf16_master_optimizer(self.optimizer, self.offload, self._bf16_optimizer_states)
         # a 1-bit optimizer (ds_zero.onebit) averages what it needs itself: ZeRO reduces only on the steps it
@@ -316,8 +323,8 @@ class ZeroOptimizer(Reduction, State, OffloadStates, EngineCalls, Filling):
                 refuse_replicas(f"a 1-bit optimizer ({type(self.optimizer).__name__})")
             self.policy.check_compressed(type(self.optimizer).__name__)
             self.optimizer.bind(group, caller_reduces=True)
-            self._mask_padding()
-        self._average_now = not self._compressed or self.optimizer.wants_averaged_gradients()
+            mask_padding(self.optimizer, self._step_params, self._owned, layout)
+        self._next_reduction()
         if self._nvme is not None:  # the parameters on NVMe are in their file already
             self._nvme.initialize(None if params_on_nvme else self._flat)
             if params_on_nvme:
@@ -330,42 +337,29 @@ class ZeroOptimizer(Reduction, State, OffloadStates, EngineCalls, Filling):
             self._master_grads = torch.zeros_like(self._master, device=self._master.device)
         # ZeRO-Offload: the CPU Adam reads the gradients copied to the host, writes the new parameters there
         self._host_grads, self._host_copies = self._host.views(on_host) if self._host is not None else ([], None)
-        self._in_master = in_master
+        self._grad_views = step_grad_views(self._step_params, self._host_grads if self._host is not None else
+                                           self._step_grads, in_master, self._master_grads)
         self._point_step_grads()
         self._master_step: MasterStep | None = master_step(
             recipe=self._recipe, nvme=self._nvme, host=self._host, tensors=self._step_params, grads=self._step_grads,
             host_grads=self._host_grads, host_copies=self._host_copies, copies=self._copies,
             master_grads=self._master_grads)
 
-        self._index_of = {id(p): i for i, p in enumerate(params)}
         link_parameters(self)  # each parameter finds its optimizer (ds_zero.safe_get_full_fp32_param & co)
-        self._ready = [0] * len(layout.buckets)
-        self._fired: set[int] = set()  # parameters whose gradient arrived in this backward
-        self._reduced = [False] * len(layout.buckets)  # buckets reduced in this backward
-        self._work: list[tuple[Any, Callable | None]] = []  # reductions in flight without a staging buffer
         self._micro_step = 0
         self._boundary_override: bool | None = None  # set_gradient_accumulation_boundary's, None: counted
         self._last_step_was_boundary = True  # zero_grad zeroes only after a boundary's step
-        self._accumulated = False  # a backward since the last boundary's step (stages 2-3: in the partition)
         self._offloaded: dict[str, dict[int, torch.device]] = {}  # offload_states: state -> root -> its device
-        self._callback_queued = False
-        self._foreign_pass = False  # the backward now running is another optimizer's (stages 2-3: held)
-        self._boundary_reduced = False  # the boundary's backward reduced every bucket
         self._global_grad_norm: float | None = None
-        self.reduction_wait_s = 0.0  # seconds step() has waited for reductions (the engine's "allreduce" timer)
         self._closed = False
         if self.reduce_in_backward:
-            self._hooks += [p.register_post_accumulate_grad_hook(self._on_gradient) for p in params]
+            self._hooks += [p.register_post_accumulate_grad_hook(self._reducer.on_gradient) for p in params]
 
     def _point_step_grads(self) -> None:
         """Each tensor the optimizer steps has its gradient slice as ``.grad`` (again: the client optimizer's
         ``zero_grad()`` sets them to None, as DeepSpeed's ZeRO points them again at every step)."""
-        grads = self._host_grads if self._host is not None else self._step_grads
-        for tensor, grad, (at, n) in zip(self._step_params, grads, self._in_master, strict=True):
-            if self._master_grads is not None:
-                tensor.grad = self._master_grads[at:at + n]
-            elif grad.dtype == tensor.dtype and grad.device == tensor.device:
-                tensor.grad = grad  # (a float32 master's fused step reads 16-bit gradients where they are)
+        for tensor, grad in self._grad_views:
+            tensor.grad = grad
 
     @property
     def internals(self) -> ZeroInternals:
@@ -430,15 +424,19 @@ class ZeroOptimizer(Reduction, State, OffloadStates, EngineCalls, Filling):
         if not boundary:
             return False
         waited = time.perf_counter()
-        self._wait_reductions()
+        self._reducer.wait_for_step()
         self._slots.check_at_step()  # what the step would not honour is refused by name (`_grad_slots`)
-        self._accumulated = False  # the next backward starts the next accumulation
+        self._reducer.accumulated = False  # the next backward starts the next accumulation
         if self._host is not None:  # ZeRO-Offload: every gradient shard on the host
             self._host.finish_downloads()
-        self.reduction_wait_s += time.perf_counter() - waited
+        self._reducer.wait_s += time.perf_counter() - waited
         self._point_step_grads()
         scale = self.loss_scale
-        norm = self._grad_norm()  # the same value on every rank
+        norm = grad_norm(  # the same value on every rank
+            self._params, sharded=self.policy.shard_optimizer, layout=self.layout, rank=self.rank, pieces=self._pieces,
+            shard_grads=self._shard_grads, shard_starts=self._shard_starts, replicated=bool(self._replica_groups),
+            group=self.group, model_parallel_group=self.model_parallel_group,
+            tensor_parallel_rank=self.tensor_parallel_rank, dtype=self.dtype, device=self.device)
         if self.scaler is not None:
             if not math.isfinite(float(norm)):
                 before = self.scaler.scale
@@ -480,8 +478,7 @@ class ZeroOptimizer(Reduction, State, OffloadStates, EngineCalls, Filling):
         model keeps its current parameters and trains no further through this optimizer."""
         if self._closed:
             return
-        self._wait_reductions_quietly()
-        self._work, self._buffer_work = [], []
+        self._reducer.close()
         if self._host is not None:
             self._host.forget_downloads()
         for stage3 in (self._stage3, self._frozen.stage3 if self._frozen is not None else None):
@@ -499,15 +496,50 @@ class ZeroOptimizer(Reduction, State, OffloadStates, EngineCalls, Filling):
             tensor.grad = None
         self.optimizer.state.clear()
         self._grads = self._partition = self._master = self._master_grads = None
-        self._bucket_buffers, self._received, self._step_grads, self._copies = [], [], [], None
+        self._step_grads, self._copies = [], None
         self._shard_grads, self._host_grads, self._host_copies, self._host = [], [], None, None
-        self._master_step = None
+        self._master_step, self._grad_views = None, []
         self._closed = True
 
     def get_global_grad_norm(self) -> float | None:
         """The L2 norm of the whole (reduced, unscaled, unclipped) gradient at the last step; None
         before one and after a skipped (overflowed) step."""
         return self._global_grad_norm
+
+    # ------------------------------------------------------------------------------------ reduction
+    def wait_reductions(self) -> None:
+        """Complete the gradient reductions backward has issued (they run in its hooks; `step` waits for
+        them anyway): DeepSpeed's ``engine.allreduce_gradients()`` after backward."""
+        self._reducer.finish_in_flight()
+
+    def reduce_gradients(self) -> None:
+        """Start the reduction of every bucket from the gradients in ``.grad`` (with
+        ``reduce_in_backward=False``: the caller's backward passes are done); `step` waits for it. A
+        parameter without a gradient counts as zeros."""
+        if self.reduce_in_backward:
+            raise RuntimeError("ZeroOptimizer.reduce_gradients: this optimizer reduces in its backward hooks; build it "
+                               "with reduce_in_backward=False to reduce by hand")
+        self._reducer.reduce_all()
+
+    @property
+    def reduction_wait_s(self) -> float:
+        """Seconds spent waiting for gradient reductions (the engine's "allreduce" timer)."""
+        return self._reducer.wait_s
+
+    _bucket_buffers = property(lambda self: self._reducer.bucket_buffers)  # (read by tests)
+    _received = property(lambda self: self._reducer.received)
+
+    def _refresh_parameters(self) -> None:
+        """After the stepped part changed: every rank's shards into the parameters (stages 1-2), or
+        into the units gathered now (stage 3: the others are gathered when used)."""
+        if self._stage3 is not None:
+            self._stage3.after_step()
+        elif self.policy.shard_optimizer:
+            gather_buckets(self._flat, self.layout.buckets, self._bucket_groups)
+
+    def _next_reduction(self) -> None:  # whether the next accumulation is averaged (a 1-bit optimizer decides)
+        if self._compressed:
+            self._reducer.average_now = self.optimizer.wants_averaged_gradients()
 
 
 class _Internals:
@@ -527,8 +559,8 @@ class _Internals:
     recipe = property(lambda self: self._zero._recipe)
     replica_groups = property(lambda self: self._zero._replica_groups)
     closed = property(lambda self: self._zero._closed)
-    accumulated = property(lambda self: self._zero._accumulated)
-    boundary_reduced = property(lambda self: self._zero._boundary_reduced)
+    accumulated = property(lambda self: self._zero._reducer.accumulated)
+    boundary_reduced = property(lambda self: self._zero._reducer.boundary_reduced)
     grad_buffer = property(lambda self: self._zero._grads)
     grad_partition = property(lambda self: self._zero._partition)
 

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from ._filling import refuse_with_nvme
 from ._model import short
 from ._sharded import full_state_dict
 
@@ -40,7 +41,7 @@ class State:
         partition += self._frozen.nbytes() if self._frozen is not None else 0  # stage 3's frozen parameters
         out = {"params": partition + gathered, "grads": size(grads), "master": size([self._master]),
                "optimizer": size(t for state in self.optimizer.state.values() for t in state.values()),
-               "buffers": size([*self._bucket_buffers, *self._received]) +
+               "buffers": size([*self._reducer.bucket_buffers, *self._reducer.received]) +
                (self._stage3.pooled_bytes() if self._stage3 is not None else 0)}
         if self._nvme is not None:  # RAM: its chunk buffers; the states and master copy are on disk
             out["optimizer"] += self._nvme.memory_bytes()
@@ -55,7 +56,7 @@ class State:
         """This rank's part: the optimizer's state over its shards, the float32 master copy (16-bit
         models), the loss scaler (fp16), what it was laid out for, and at stage 3 this rank's shards of
         the parameters (the model's own ``state_dict()`` holds empty tensors there)."""
-        self._refuse_with_nvme("state_dict")
+        refuse_with_nvme(self._nvme, "state_dict")
         state = {**self._identity(), "micro_step": self._micro_step, "optimizer": self.optimizer.state_dict(),
                  "skipped_steps": self.skipped_steps}
         if self.policy.shard_params:
@@ -70,7 +71,7 @@ class State:
         """Load a `state_dict` saved by the same rank of the same layout (loading on another world
         size or stage is the checkpoint issue's reshaping). Every rank calls it: with a master copy
         the parameters are set from it and gathered (at stage 3, from the shards in the state)."""
-        self._refuse_with_nvme("load_state_dict")
+        refuse_with_nvme(self._nvme, "load_state_dict")
         for key, value in self._identity().items():
             if key not in state:
                 raise ValueError(f"ZeroOptimizer.load_state_dict: the state has no {key!r}")
