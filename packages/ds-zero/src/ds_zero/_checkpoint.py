@@ -45,6 +45,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from ._checkpoint_tp import Slice, checkpoint_slices, sharded_slice
+from ._compressed import CompressedOptimizer
 from ._model import param_name
 from ._nvme import STATES
 from ._nvme_checkpoint import NvmeEntries
@@ -299,7 +300,7 @@ def zero_state(zero: ZeroOptimizer, exclude_frozen_parameters: bool = False,
         value = first[key]
         out[f"optim_scalar/{key}"] = value.detach().clone() if torch.is_tensor(value) else torch.tensor(value)
     out.update(_other_entries(zero, exclude_frozen_parameters))
-    if hasattr(zero.optimizer, "rank_state"):  # a 1-bit optimizer's error feedback: this rank's own
+    if isinstance(zero.optimizer, CompressedOptimizer):  # a 1-bit optimizer's error feedback: this rank's own
         out.update({f"rank_state/{zero.rank}/{key}": t for key, t in zero.optimizer.rank_state().items()})
     return {k: (v.clone() if copy and v.device.type == "cpu" else _on_host(v))
             if torch.is_tensor(v) and not isinstance(v, ShardedTensor) else v for k, v in out.items()}
@@ -388,7 +389,7 @@ def _module_entries(zero: ZeroOptimizer, meta: dict[str, Any], saved: dict[str, 
 def _rank_state_wanted(zero: ZeroOptimizer, meta: dict[str, Any], saved_keys: set[str]) -> dict[str, Any] | None:
     """A 1-bit optimizer's error feedback to read for this rank: what the same rank saved, on the same
     world size; None (it restarts at zero, as DeepSpeed's always does) otherwise."""
-    if not hasattr(zero.optimizer, "rank_state_template"):
+    if not isinstance(zero.optimizer, CompressedOptimizer):
         return None
     if meta["world_size"] != zero.world_size:
         logger.warning("ZeroOptimizer.load: the checkpoint is of %d ranks, this run has %d: %s's error feedback "
@@ -462,7 +463,7 @@ def load_zero_state(zero: ZeroOptimizer, checkpoint_id: Any, meta: dict[str, Any
     for key, value in scalar_values.items():
         for tensor in internals.step_tensors:
             zero.optimizer.state[tensor][key] = value.clone()
-    if load_optimizer and hasattr(zero.optimizer, "load_rank_state"):
+    if load_optimizer and isinstance(zero.optimizer, CompressedOptimizer):
         zero.optimizer.load_rank_state(rank_state)
     if load_optimizer:
         for group, saved in zip(zero.optimizer.param_groups, meta["param_groups"], strict=False):

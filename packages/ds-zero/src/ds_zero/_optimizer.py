@@ -50,6 +50,7 @@ from torch import nn
 import ds_comm
 
 from ._collectives import gather_buckets, grad_norm
+from ._compressed import CompressedOptimizer
 from ._engine_calls import EngineCalls
 from ._filling import check_optimizer, fill_master, shard_modified
 from ._frozen import FrozenShards, partitioned_frozen
@@ -67,7 +68,6 @@ from ._model import (
     model_device,
     trainable,
     unpartition,
-    version,
 )
 from ._nvme import NvmeOptimizer
 from ._offload import HostOffload, host_places
@@ -312,16 +312,10 @@ class ZeroOptimizer(State, OffloadStates, EngineCalls):
             check_bf16_master_optimizer(self.optimizer, self.offload, self._bf16_optimizer_states)
         # a 1-bit optimizer (ds_zero.onebit) averages what it needs itself: ZeRO reduces only on the steps it
         # asks for (DeepSpeed's enable_backward_allreduce) and leaves the gradients local otherwise
-        self._compressed = callable(getattr(self.optimizer, "wants_averaged_gradients", None))
+        self._compressed = isinstance(self.optimizer, CompressedOptimizer)
         if self._compressed:
-            if self.gradient_averaging_size != self.world_size:
-                raise NotImplementedError(f"ZeroOptimizer: a 1-bit optimizer ({type(self.optimizer).__name__}) with "
-                                          f"gradient_averaging_size {self.gradient_averaging_size} (not the group's "
-                                          f"{self.world_size} ranks: sequence parallelism) is not implemented in "
-                                          f"ds-zero {version()}")
-            if self._replica_groups:
-                refuse_replicas(f"a 1-bit optimizer ({type(self.optimizer).__name__})")
-            self.policy.check_compressed(type(self.optimizer).__name__)
+            policy.check_compressed(type(self.optimizer).__name__, averaging_size=self.gradient_averaging_size,
+                                    world_size=self.world_size, replicated=bool(self._replica_groups))
             self.optimizer.bind(group, caller_reduces=True)
             mask_padding(self.optimizer, self._step_params, self._owned, layout)
         self._next_reduction()

@@ -30,10 +30,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._compressed import CompressedOptimizer
 from ._half import implied_precision
 from ._model import param_name, version
 from ._not_built import refuse_what_is_not_built
 from ._precision import BF16_MASTER, DTYPES, communication_dtype
+from ._replicas import refuse_replicas
 from .config import BF16Config, FP16Config, ZeroConfig, mixed_precision
 
 
@@ -127,8 +129,16 @@ class ZeroPolicy:
         if self.shard_params:
             refuse("zero_optimization.stage 3")
 
-    def check_compressed(self, name: str) -> None:
-        """A 1-bit optimizer runs at stage 0 in fp32 or bf16, reducing in its own backward hooks."""
+    def check_compressed(self, name: str, *, averaging_size: int | None = None, world_size: int | None = None,
+                         replicated: bool = False) -> None:
+        """A 1-bit optimizer runs at stage 0 in fp32 or bf16, reducing in its own backward hooks, averaging
+        over ZeRO's whole group (``averaging_size`` its ``world_size``), without ``replicated`` parameters."""
+        if averaging_size != world_size:
+            raise NotImplementedError(f"ZeroOptimizer: a 1-bit optimizer ({name}) with gradient_averaging_size "
+                                      f"{averaging_size} (not the group's {world_size} ranks: sequence parallelism) "
+                                      f"is not implemented in ds-zero {version()}")
+        if replicated:
+            refuse_replicas(f"a 1-bit optimizer ({name})")
         if self.shard_optimizer:
             raise ValueError(f"zero_optimization.stage is {self.stage}: {name} compresses the data-parallel "
                              "communication itself and runs with stage 0 only (as DeepSpeed's 1-bit optimizers); "
@@ -199,7 +209,7 @@ def resolve(model: Any, optimizer: Any, config: Any, fp16: Any, bf16: Any, commu
         check_overflow=precision == "bf16" and bool(bf16_config.check_grad_overflow), bf16_master=bf16_master,
         bf16_optimizer_states=bf16_states, cast_model=dtype != torch.float32 and not implied,
         auto_cast=bool(fp16_config.auto_cast) and precision == "fp16", reduce_in_backward=bool(reduce_in_backward))
-    if isinstance(optimizer, type) and hasattr(optimizer, "wants_averaged_gradients"):
+    if isinstance(optimizer, type) and issubclass(optimizer, CompressedOptimizer):
         policy.check_compressed(optimizer.__name__)  # before the model is touched
     return policy, zero_config, fp16_config
 
