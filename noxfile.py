@@ -276,6 +276,37 @@ def wheels(session: nox.Session) -> None:
     session.run("python", "-c", _CHECK_INSTALLED, str(WHEELHOUSE))
 
 
+# DeepSpeed's own unit tests, unchanged (../shared/deepspeed-tests, or DS_DEEPSPEED_TESTS): their harness needs
+# pytest < 8.4 (DistributedFixture uses a pytest private API) and pytest-forked, and runs with these variables.
+DEEPSPEED_TEST_DEPS = ["pytest==8.3.5", "pytest-forked==1.7.5", "py==1.11.0", "tabulate==0.10.0", "hjson==3.1.0", "numpy",
+                       TORCH]
+DEEPSPEED_TEST_ENV = {"DS_ACCELERATOR": "cpu", "LOCAL_SIZE": "4", "OMP_NUM_THREADS": "1", "DS_UNITTEST_TIMEOUT": "300"}
+DEEPSPEED_TEST_MARKERS = ("not nightly and not inference and not seq_inference and not inference_ops and not "
+                          "inference_v2 and not inference_v2_ops and not stable_diffusion and not evaluation")
+
+
+@nox.session(name="deepspeed-tests")
+def deepspeed_tests(session: nox.Session) -> None:
+    """DeepSpeed's own unit tests (../shared/deepspeed-tests/tests), unchanged, against ds: ``import deepspeed``
+    is ds_all through ds-launch's alias. Run from a copy (the autotuning tests write into the working
+    directory); per-file counts printed beside DeepSpeed's. Not in CI (slow: about 40 minutes on 2 cores)."""
+    source = Path(os.environ.get("DS_DEEPSPEED_TESTS", ROOT.parent / "shared" / "deepspeed-tests" / "tests"))
+    if not (source / "conftest.py").exists():
+        session.error(f"DeepSpeed's tests not found at {source} (set DS_DEEPSPEED_TESTS to their tests/ folder)")
+    _install(session, *DEEPSPEED_TEST_DEPS, *(a for p in PACKAGES for a in ("-e", f"packages/{p}")))
+    work = Path(session.create_tmp()) / "deepspeed-tests"
+    shutil.rmtree(work, ignore_errors=True)
+    shutil.copytree(source, work)
+    report = work / "results.xml"
+    env = {**DEEPSPEED_TEST_ENV, "PYTHONPATH": str(ROOT / "packages" / "ds-launch" / "src" / "ds_launch" /
+                                                   "_deepspeed_alias")}
+    session.log(_cpu_line())
+    with session.chdir(work):
+        session.run("python", "-m", "pytest", "-p", "no:cacheprovider", "-m", DEEPSPEED_TEST_MARKERS, "-rfs",
+                    f"--junitxml={report}", *session.posargs, env=env, success_codes=[0, 1])
+    session.run("python", str(ROOT / "scripts" / "deepspeed_tests_report.py"), str(report))
+
+
 @nox.session
 def bench(session: nox.Session) -> None:
     """Every packages/*/benchmarks/bench_*.py: ours against the baseline, with ratios."""

@@ -45,6 +45,7 @@ NO_OP = [
     "zero_optimization.offload_optimizer.pin_memory", "zero_optimization.offload_optimizer.buffer_count",
     "zero_optimization.offload_optimizer.fast_init", "zero_optimization.offload_optimizer.cpuadam_cores_perc",
     "zero_optimization.offload_param.pin_memory", "zero_optimization.offload_param.buffer_count",
+    "zero_optimization.zenflow.auto_ratio", "zero_optimization.zenflow.pt_reserved_cores_perc",
     "zero_optimization.offload_param.buffer_size", "zero_optimization.offload_param.max_in_cpu",
     "zero_optimization.stage3_module_granularity_threshold", "zero_optimization.stage3_use_all_reduce_for_fetch_params",
     "zero_optimization.stage3_allgather_sequential", "zero_optimization.parameter_alignment",
@@ -72,7 +73,6 @@ REFUSED = {
     "zero_optimization.zero_quantized_gradients": (True, "ds-zero"),
     "zero_optimization.mics_shard_size": (2, "ds-zero"),
     "zero_optimization.mics_hierarchical_params_gather": (True, "ds-zero"),
-    "zero_optimization.zenflow": ({"topk_ratio": 0.1}, "ds-zero"),
     "zero_optimization.legacy_stage1": (True, "ds-zero"),
     "zero_optimization.offload_optimizer.super_offload": (True, "ds-zero"),
     "zero_optimization.offload_optimizer.ratio": (0.5, "ds-zero"),
@@ -82,7 +82,8 @@ REFUSED = {
 # Sections whose keys are read only once the feature they belong to is built (refused on until then, above).
 INSIDE_REFUSED = ("data_efficiency.data_routing.random_ltd.layer_token_lr_schedule.",)
 # Keys read inside their section model's own methods (which the source scan below skips with config.py files).
-READ_BY_THEIR_MODEL = {"flops_profiler.detailed": "FlopsProfilerConfig.print_options()"}
+READ_BY_THEIR_MODEL = {"flops_profiler.detailed": "FlopsProfilerConfig.print_options()",
+                       "zero_optimization.zenflow.select_strategy": "ZenFlowConfig.selection_interval()"}
 
 
 def _walk(model: type[BaseModel], prefix: str = "") -> dict[str, type[BaseModel] | None]:
@@ -261,7 +262,7 @@ def test_the_keys_deepspeeds_config_tests_expect_are_known():
                         ({"bf16": {"enabled": True, "bf16_master_weights_and_grads": True}},
                          "bf16_master_weights_and_grads needs zero_optimization.stage 1, 2 or 3")):
         if words is None:
-            Config.load(data)  # zenflow is refused when ZeRO is built (ds-zero's test), known here
+            Config.load(data)  # zenflow at stage 3 is refused when ZeRO is built (ds-zero's test), known here
             continue
         with pytest.raises(ValueError, match=re.escape(words)):
             Config.load(data)

@@ -5,6 +5,7 @@ DeepSpeedExamples' CIFAR-10 script runs with only its import changed, with DeepS
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import io
 import json
 import logging
@@ -215,3 +216,61 @@ def test_deepspeed_cifar10_example_runs_with_deepspeeds_losses(tmp_path, stage, 
     tolerance = {"fp32": 1e-5, "bf16": 2e-2}[dtype]  # bf16: a loss may round one bf16 step the other way
     torch.testing.assert_close(torch.tensor(got["rank0"]), torch.tensor(expected["rank0"]), rtol=0, atol=tolerance)
     assert got["lr"] == pytest.approx(expected["lr"], rel=1e-12)
+
+
+def test_the_names_deepspeeds_own_test_harness_imports():
+    """DeepSpeed's tests/unit/util.py and common.py stop at their first import without these."""
+    import torch
+
+    import ds_all.git_version_info as info
+    from ds_all.accelerator import SUPPORTED_ACCELERATOR_LIST, is_current_accelerator_supported
+    from ds_all.utils.torch import required_torch_version
+
+    assert is_current_accelerator_supported() and ds_all.get_accelerator().device_name() in SUPPORTED_ACCELERATOR_LIST
+    assert info.version == ds_all.__version__ == "0.19.8" and info.ds_version == ds_all.__ds_version__
+    assert info.torch_info["version"] == ".".join(torch.__version__.split(".")[:2])
+    assert set(info.torch_info) >= {"version", "cuda_version", "nccl_version", "hip_version"}
+    assert required_torch_version(min_version=1.8) and not required_torch_version(max_version="1.8")
+    assert not required_torch_version(min_version="99.0")
+    with pytest.raises(ValueError, match="min_version or max_version"):
+        required_torch_version()
+
+
+def test_compatible_ops_has_deepspeeds_names_for_the_fused_kernels():
+    from ds_all.ops.op_builder import CPUAdamBuilder, FusedAdamBuilder, FusedLambBuilder
+
+    ops = ds_all.ops.__compatible_ops__
+    assert ops is ds_all.ops.__compatible_ops__  # probed once, then the same dict (DeepSpeed's behaviour)
+    assert {FusedAdamBuilder.NAME, FusedLambBuilder.NAME, CPUAdamBuilder.NAME} <= set(ops)
+    assert ops[FusedAdamBuilder.NAME] == CPUAdamBuilder().compatibility()[0]
+    if ops[FusedAdamBuilder.NAME]:
+        assert FusedAdamBuilder().load() is CPUAdamBuilder().load()  # the kernel FusedAdam runs on CPU tensors
+    with pytest.raises(AttributeError, match="no attribute '__compatible_opz__'"):
+        ds_all.ops.__compatible_opz__  # noqa: B018
+
+
+_VERSIONS = """
+import importlib.metadata, sys
+{setup}
+import deepspeed
+from deepspeed.git_version_info import version
+from packaging import version as pv
+meta = {meta}
+print(deepspeed.__version__, version, meta, deepspeed.__ds_version__, pv.parse(deepspeed.__version__) >= pv.parse("0.14"))
+"""
+
+
+@pytest.mark.parametrize("how", ["ds-launch alias", "hf trainer"])
+def test_deepspeed_version_is_one_answer_everywhere(how):
+    """Scripts compare ``version.parse(deepspeed.__version__)`` with the DeepSpeed they need: under both aliases it is
+    the DeepSpeed API version ds follows, equal to git_version_info.version and (Trainer alias) the metadata."""
+    alias = Path(__file__).parents[2] / "ds-launch" / "src" / "ds_launch" / "_deepspeed_alias"
+    setup, meta = ("", "None") if how == "ds-launch alias" else (
+        "import ds_all.hf.trainer", "importlib.metadata.version('deepspeed')")
+    env = {**os.environ, "PYTHONPATH": str(alias) if how == "ds-launch alias" else ""}
+    done = subprocess.run([sys.executable, "-c", _VERSIONS.format(setup=setup, meta=meta)], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    api, info, metadata, own, new_enough = done.stdout.split()
+    assert api == info == "0.19.8" and metadata in ("None", api) and new_enough == "True"
+    assert own == ds_all.__ds_version__ == importlib.metadata.version("ds-all")

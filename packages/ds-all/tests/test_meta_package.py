@@ -31,7 +31,7 @@ def test_ds_all_depends_on_every_package_with_a_range_that_admits_its_version():
 
 def test_versions_reports_every_installed_part():
     reported = ds_all.versions()
-    assert reported["ds-all"] == ds_all.__version__ == _project("ds-all")["version"]
+    assert reported["ds-all"] == ds_all.__ds_version__ == _project("ds-all")["version"]
     for part in ds_all.PARTS:
         assert reported[part] == _project(part)["version"], part
 

@@ -17,7 +17,8 @@ FAKE = str(Path(__file__).with_name("_fake_train.py"))
 
 def test_public_names():
     assert sorted(ds_autotune.__all__) == ["Autotuner", "AutotuningConfig", "BaseTuner", "GridSearchTuner",
-                                           "ModelBasedTuner", "RandomTuner", "instantiation_memory", "prune",
+                                           "ModelBasedTuner", "RandomTuner", "ResourceManager", "get_val_by_key",
+                                           "instantiation_memory", "launcher_options", "prune", "set_val_by_key",
                                            "write_atomic"]
 
 

@@ -205,3 +205,14 @@ def test_a_base64_config_string_is_read_as_deepspeed_reads_it(tmp_path, monkeypa
         load_ds_config("nope.json")
     with pytest.raises(ValueError, match="cannot read the config file 'abcd'"):
         load_ds_config("abcd")  # valid base64, but not of a JSON object
+
+
+def test_a_config_error_survives_pickling_with_its_problems():
+    """A process pool sends a worker's exception to its parent pickled; DeepSpeed's test harness hangs on one
+    that cannot be unpickled (ConfigError's __init__ takes the problems, not the message)."""
+    import pickle
+
+    error = ConfigError([("stage", "must be 0-3, got 7"), ("bucket", "must be > 0, got -1")], section="zero")
+    again = pickle.loads(pickle.dumps(error))
+    assert type(again) is ConfigError and str(again) == str(error)
+    assert (again.problems, again.section) == (error.problems, error.section)

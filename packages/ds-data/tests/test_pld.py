@@ -12,7 +12,8 @@ from torch import nn
 from ds_data import ProgressiveLayerDrop, ProgressiveLayerDropBlock, ProgressiveLayerDropConfig
 
 
-@pytest.mark.parametrize(("theta", "gamma"), [(0.5, 0.001), (0.8, 0.01), (1.0, 0.001), (0.25, 0.0), (0.5, 1.0)])
+@pytest.mark.parametrize(("theta", "gamma"), [(0.5, 0.001), (0.8, 0.01), (1.0, 0.001), (0.25, 0.0), (0.5, 1.0),
+                                             (0, 0.001)])  # theta 0: DeepSpeed's test_pld_schedule takes it
 def test_theta_schedule_is_deepspeeds_formula_at_many_steps(theta, gamma):
     pld = ProgressiveLayerDrop(theta=theta, gamma=gamma)
     assert pld.get_theta() == 1.0 and pld.get_state() == {"progressive_layer_drop": True, "pld_theta": 1.0}
@@ -41,7 +42,7 @@ def test_defaults_and_state_round_trip():
 
 
 @pytest.mark.parametrize(("kwargs", "words"), [
-    ({"theta": 0.0}, "progressive_layer_drop.theta must be in (0, 1]"),
+    ({"theta": -0.1}, "progressive_layer_drop.theta must be in [0, 1]"),
     ({"theta": 1.5}, "got 1.5"),
     ({"gamma": -0.1}, "progressive_layer_drop.gamma must be a number >= 0, got -0.1"),
 ])

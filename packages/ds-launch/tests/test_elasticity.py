@@ -6,7 +6,6 @@ batch for some micro-batch size ``m``), rather than the divisor enumeration the 
 
 from __future__ import annotations
 
-import logging
 import math
 
 import pytest
@@ -45,6 +44,8 @@ def _counts(batch, micro, low, high):
 def reference_v01(micro, max_batch, low, high, prefer_larger=True):
     candidates = set()
     for base in set(micro) | {math.lcm(*micro)}:
+        if base > max_batch:  # DeepSpeed PR 8237: a base above the maximum gives no candidate
+            continue
         fitting = [base * h for h in HCN if base * h <= max_batch]
         candidates.add(fitting[-1] if fitting else base)
     scored = [(len(_counts(b, micro, low, high)), b) for b in candidates]
@@ -76,7 +77,7 @@ DEEPSPEED_TEST = dict(max_train_batch_size=10000, micro_batch_sizes=[8, 12, 16, 
 def test_public_names_are_pinned():
     assert sorted(ds_launch.__all__) == sorted([
         "ElasticityConfigError", "ElasticityError", "ElasticityIncompatibleWorldSize", "LaunchError",
-        "__version__", "compute_elastic_config", "main", "parse_hostfile", "select_resources"])
+        "__version__", "compute_elastic_config", "main", "parse_deepspeed_args", "parse_hostfile", "select_resources"])
     assert issubclass(ElasticityConfigError, ElasticityError) and issubclass(ElasticityError, ValueError)
     assert issubclass(ElasticityIncompatibleWorldSize, ElasticityError)
 
@@ -94,12 +95,20 @@ def test_deepspeeds_published_figures():
         compute_elastic_config(config(**DEEPSPEED_TEST), VERSION, world_size=128)
 
 
-def test_lcm_above_the_maximum_is_a_candidate_as_in_deepspeed(caplog):
+def test_the_batch_stays_within_the_maximum_when_the_lcm_exceeds_it():
+    """DeepSpeed PR 8237 (in DeepSpeed since 0.19.6): the micro-batch sizes' LCM above max_train_batch_size is
+    no candidate. [1, 2, 3, 7] with a maximum of 32 used to give 42; DeepSpeed's test_proper_mbsz now asks
+    world size 4 (micro-batch 3) and that 7 is refused, and its test_batch_size_within_max [8, 10, 12] <= 100."""
     keys = {**DEEPSPEED_TEST, "max_train_batch_size": 32, "micro_batch_sizes": [1, 2, 3, 7], "min_gpus": 1}
-    with caplog.at_level(logging.WARNING):
-        assert compute_elastic_config(config(**keys), VERSION, world_size=7) == (
-            42, [1, 2, 3, 6, 7, 14, 21, 42], 3)  # DeepSpeed's test_proper_mbsz: micro-batch 3
-    assert "exceeds max_train_batch_size 32" in caplog.text
+    batch, valid, micro = compute_elastic_config(config(**keys), VERSION, world_size=4)
+    assert batch <= 32 and 4 in valid and micro == 3 and 7 not in valid
+    with pytest.raises(ElasticityIncompatibleWorldSize):
+        compute_elastic_config(config(**keys), VERSION, world_size=7)
+    for cap, sizes in ((100, [8, 10, 12]), (16, [8, 12])):
+        keys = {**DEEPSPEED_TEST, "max_train_batch_size": cap, "micro_batch_sizes": sizes, "min_gpus": 1}
+        batch, _ = compute_elastic_config(config(**keys), VERSION)
+        assert batch <= cap, (sizes, cap, batch)
+        assert (batch, _) == reference_v01(sizes, cap, 1, DEEPSPEED_TEST["max_gpus"])
 
 
 V01_CASES = [

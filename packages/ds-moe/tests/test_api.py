@@ -6,9 +6,9 @@ from ds_moe import groups
 
 def test_public_api_is_pinned():
     assert sorted(ds_moe.__all__) == [
-        "Experts", "MOELayer", "MoE", "Routing", "TopKGate", "__version__", "configure_moe_param_groups",
+        "AllToAll", "Experts", "MOELayer", "MoE", "Routing", "TopKGate", "__version__", "configure_moe_param_groups",
         "expert_checkpoint_names", "groups", "gumbel_rsample", "has_moe_layers", "is_moe_param", "is_moe_param_group",
-        "multiplicative_jitter",
+        "multiplicative_jitter", "route_slots", "sparse_decode", "sparse_encode",
         "split_params_grads_into_shared_and_expert_params", "split_params_into_different_moe_groups_for_optimizer",
         "split_params_into_shared_and_expert_params", "top1gating", "top2gating", "topkgating"]
     assert all(hasattr(ds_moe, name) for name in ds_moe.__all__)

@@ -22,6 +22,8 @@ def test_public_api_is_pinned():
         "DistributedAttention", "SeqAllToAll", "seq_all_to_all", "vocab_sequence_parallel_cross_entropy",
         # AutoTP
         "LinearAllreduce", "LinearLayer", "replace_module_consolidated_state_dict", "tp_model_init",
+        "AutoTPConfig", "TPLayerSpec", "apply_partition_config", "get_shard_size", "get_shard_size_list",
+        "fpdt_token_order",
     ])
     assert len(set(ds_parallel.__all__)) == len(ds_parallel.__all__)
     assert all(hasattr(ds_parallel, name) for name in ds_parallel.__all__)

@@ -300,3 +300,36 @@ def test_pipeline_config_loads_deepspeed_keys_and_names_typos():
         PipelineConfig.from_ds_config({"pipeline": {"schedul": "1f1b"}})
     with pytest.raises(ValueError, match="virtual_stages"):
         PipelineConfig(virtual_stages=0)
+
+
+# the micro-batches' losses [1, 2^-24, 2^-24, 2^-24]: DeepSpeed's float32 running sum stays 1 (each 2^-24 is a
+# tie rounded to even), so it reports 0.25; a float64 mean is 0.25 + 3 * 2^-26, which float32 rounds to 0.25 + 2^-25
+SUMMED_LOSSES = [1.0, 2.0**-24, 2.0**-24, 2.0**-24]
+
+
+def given_loss(out, value):
+    return (out * 0).sum() + value
+
+
+def losses_reported(rank, world):
+    from ds_pipe import PipelineExecutor, PipelineModule
+    module = PipelineModule([nn.Linear(2, 2), nn.Linear(2, 2)], num_stages=2, loss_fn=given_loss,
+                            partition_method="uniform")
+    executor = PipelineExecutor(module, torch.optim.SGD(module.parameters(), lr=0.1), micro_batches=4)
+
+    def data():
+        return iter([(torch.ones(1, 2), torch.tensor(v, dtype=torch.float32)) for v in SUMMED_LOSSES])
+    return executor.train_batch(data()).item(), executor.eval_batch(data()).item()
+
+
+def test_the_reported_loss_is_deepspeeds_float32_running_sum_over_the_micro_batches():
+    """DeepSpeed's pipeline adds the micro-batches' losses in order in their dtype and divides by their count;
+    the same bits here (a float64 mean is up to a few ulps away: the pipeline example's step 4 was 2 ulps off)."""
+    total = torch.zeros((), dtype=torch.float32)
+    for value in SUMMED_LOSSES:
+        total += torch.tensor(value, dtype=torch.float32)
+    deepspeeds = (total / len(SUMMED_LOSSES)).item()
+    float64_mean = torch.tensor(sum(SUMMED_LOSSES) / len(SUMMED_LOSSES), dtype=torch.float64).float().item()
+    assert deepspeeds != float64_mean  # the case tells the two apart
+    for train, evaluated in spawn(losses_reported, world_size=2):
+        assert train == deepspeeds and evaluated == deepspeeds

@@ -73,3 +73,12 @@ def test_data_parallel_schedule_is_deepspeeds_example():
     assert sched.num_pipe_buffers() == 1 and sched.is_first_stage and sched.is_last_stage
     with pytest.raises(ValueError, match=r"stages must be 1 .*got 2"):
         ds_pipe.DataParallelSchedule(micro_batches=3, stages=2, stage_id=0)
+
+
+def test_a_peer_failure_survives_pickling_with_its_source_rank():
+    import pickle
+
+    from ds_pipe._p2p import PeerFailed
+
+    again = pickle.loads(pickle.dumps(PeerFailed("rank 1 failed: boom", source=1)))
+    assert type(again) is PeerFailed and str(again) == "rank 1 failed: boom" and again.source == 1

@@ -21,12 +21,14 @@ DeepSpeed's module tree is here, each module an alias of the part that owns it: 
 """
 
 from ds_comm import init_distributed
+from ds_ops import get_accelerator
 
 from . import (
     accelerator,
     checkpointing,
     comm,
     elasticity,
+    git_version_info,
     hf,
     moe,
     monitor,
@@ -44,11 +46,14 @@ from ._parallel import tp_model_init
 from ._parts import PARTS, versions
 from ._pipe_engine import PipelineEngine
 from ._scheduler_config import SchedulerConfig, build_scheduler
+from ._version import DEEPSPEED_API_VERSION, DS_VERSION
 from .config import Config
 from .lr_schedules import LRRangeTest, OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR
 
-__version__ = "0.1.0"
-# DeepSpeed's version attributes
+# DeepSpeed's version attributes answer the DeepSpeed API version ds-all follows (scripts compare it with the
+# DeepSpeed they need); ds-all's own release is beside it, as __ds_version__ (and in versions()).
+__version__ = DEEPSPEED_API_VERSION
+__ds_version__ = DS_VERSION
 __version_major__, __version_minor__, __version_patch__ = (int(part) for part in __version__.split("."))
 __git_hash__ = __git_branch__ = "[none]"  # DeepSpeed's value where the build recorded no git information
 
@@ -63,6 +68,7 @@ __all__ = [
     "WarmupCosineLR",
     "WarmupDecayLR",
     "WarmupLR",
+    "__ds_version__",
     "__git_branch__",
     "__git_hash__",
     "__version__",
@@ -76,6 +82,8 @@ __all__ = [
     "checkpointing",
     "comm",
     "elasticity",
+    "get_accelerator",
+    "git_version_info",
     "hf",
     "init_distributed",
     "initialize",

@@ -40,7 +40,13 @@ import torch
 import ds_comm
 import ds_moe
 import ds_ops
-from ds_zero import SafeReader, is_deepspeed_checkpoint, load_zero_checkpoint, save_zero_checkpoint
+from ds_zero import (
+    SafeReader,
+    is_deepspeed_checkpoint,
+    load_zero_checkpoint,
+    save_zero_checkpoint,
+    write_recovery_scripts,
+)
 
 from . import _data_efficiency
 from ._deepspeed_checkpoint import LATEST_UNIVERSAL, load_deepspeed
@@ -219,6 +225,7 @@ def _complete(root: Path, tag: str, meta: dict[str, Any], save_latest: bool) -> 
     shutil.rmtree(aside, ignore_errors=True)
     if save_latest:
         _write_atomic(root / LATEST, tag)
+    write_recovery_scripts(root)  # zero_to_fp32.py and zero_to_torch.py, where DeepSpeed's save puts its own
 
 
 def _writer_group(engine: DeepSpeedEngine) -> Any:

@@ -24,8 +24,11 @@ def loader(dataset: Any, *, batch_size: int, num_replicas: int, rank: int, drop_
     """A `DataLoader` of ``dataset`` whose sampler (``data_sampler``, else a `DistributedSampler`
     over ``num_replicas`` ranks, shuffled with seed 0 as DeepSpeed's unless ``shuffle`` is false)
     gives this ``rank`` its share."""
-    if not isinstance(dataset, torch.utils.data.Dataset):
-        raise ValueError(f"training_data must be a torch.utils.data.Dataset, got {type(dataset).__name__}")
+    if not isinstance(dataset, torch.utils.data.Dataset) and not is_map_style(dataset):
+        # DeepSpeed hands anything to a DataLoader: a map-style dataset of another library (a Hugging Face
+        # datasets.Dataset) is not a torch Dataset and trains the same
+        raise ValueError(f"training_data must be a torch.utils.data.Dataset or a map-style dataset (with __len__ and "
+                         f"__getitem__, e.g. a Hugging Face datasets.Dataset), got {type(dataset).__name__}")
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"deepspeed_io: batch_size must be a positive integer, got {batch_size!r}")
     if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
@@ -39,6 +42,11 @@ def loader(dataset: Any, *, batch_size: int, num_replicas: int, rank: int, drop_
     return _Loader(dataset, batch_size=batch_size, sampler=data_sampler, collate_fn=collate_fn,
                       drop_last=drop_last, pin_memory=pin_memory and pins_memory(),
                       num_workers=num_workers)
+
+
+def is_map_style(dataset: Any) -> bool:
+    """Indexable with a length: what a sampler can split between ranks (a torch Dataset or another library's)."""
+    return callable(getattr(dataset, "__getitem__", None)) and callable(getattr(dataset, "__len__", None))
 
 
 class _Loader(DataLoader):

@@ -82,8 +82,8 @@ class SamplingLoader(DataLoader):
 def loader(engine: DeepSpeedEngine, dataset: Any, *, batch_size: int | None, pin_memory: bool,
            collate_fn: Callable | None) -> SamplingLoader:
     """The loader of ``deepspeed_io`` with the data sampler (see the module docstring)."""
-    if not isinstance(dataset, torch.utils.data.Dataset) or isinstance(dataset, torch.utils.data.IterableDataset):
-        raise ValueError(f"deepspeed_io: {SECTION} samples a map-style torch.utils.data.Dataset by index, got "
+    if not _data.is_map_style(dataset) or isinstance(dataset, torch.utils.data.IterableDataset):
+        raise ValueError(f"deepspeed_io: {SECTION} samples a map-style dataset (__len__, __getitem__) by index, got "
                          f"{type(dataset).__name__}")
     section = engine.config.data_efficiency
     sampling = section.data_sampling

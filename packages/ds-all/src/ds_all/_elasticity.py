@@ -15,10 +15,11 @@ from pydantic import Field, field_validator, model_validator
 
 from ds_launch import ElasticityConfigError, compute_elastic_config
 
+from ._version import DEEPSPEED_API_VERSION
+
 log = logging.getLogger(__name__)
 
 # The DeepSpeed release whose API ds follows: the target version elasticity is checked against.
-DEEPSPEED_API_VERSION = "0.19.8"
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
 

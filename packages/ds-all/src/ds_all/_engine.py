@@ -126,9 +126,14 @@ class DeepSpeedEngine(EngineAPI, nn.Module):
             factory, groups = _moe.optimizer_groups(optimizer, factory, groups,
                                                     [p for p in model.parameters() if p.requires_grad], lr_scheduler)
             options["checkpoint_names"] = _moe.checkpoint_names(model, options.get("checkpoint_names"))
+        zero_config = config.zero_optimization
+        if zero_config.zenflow is not None and training_data is not None:  # ZenFlow's epoch: the loader's length
+            zero_config = zero_config.model_copy(update={"zenflow": type(zero_config.zenflow).model_validate(
+                {**zero_config.zenflow.model_dump(), "steps_per_epoch": len(self._training_loader(training_data,
+                                                                                                  collate_fn))})})
         if factory is not None:
             self.zero = self.optimizer = ZeroOptimizer(
-                model, factory, config=config.zero_optimization, fp16=config.fp16, bf16=config.bf16,
+                model, factory, config=zero_config, fp16=config.fp16, bf16=config.bf16,
                 gradient_clipping=config.gradient_clipping,
                 communication_data_type=reduce_in, group=zero_group,
                 aio=config.aio, param_groups=groups, **options)
@@ -318,6 +323,8 @@ class DeepSpeedEngine(EngineAPI, nn.Module):
         self.micro_steps += 1
         self.global_samples += self.train_micro_batch_size_per_gpu() * self.dp_world_size
         if not boundary:
+            if self.config.zero_optimization.zenflow is not None and self.lr_scheduler is not None:
+                self.lr_scheduler.step()  # DeepSpeed's ZenFlow steps the schedule at every micro-step
             return
         self._step_applied = applied
         if applied and self.lr_scheduler is not None:

@@ -195,12 +195,17 @@ class EngineAPI(EngineGetters):
         return OrderedDict((k, v) for k, v in state.items() if k not in frozen)
 
     def _consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict | None:
-        """DeepSpeed's: `_zero3_consolidated_16bit_state_dict` at stage 3 (the one case of partitioned weights
-        ds builds; tensor parallelism is not); a ValueError otherwise, as DeepSpeed's."""
-        if self.config.zero_optimization.stage != 3:
-            raise ValueError("_consolidated_16bit_state_dict is for partitioned weights (ZeRO stage 3), this engine "
-                             f"runs stage {self.config.zero_optimization.stage}")
-        return self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters)
+        """DeepSpeed's: `_zero3_consolidated_16bit_state_dict` at stage 3; under AutoTP
+        (``tensor_parallel.autotp_size`` > 1) the module's state dict with its tensor-parallel slices gathered,
+        on rank 0 (None elsewhere); a ValueError otherwise, as DeepSpeed's. Every rank calls it."""
+        if self.config.zero_optimization.stage == 3:
+            return self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters)
+        if self.autotp_size() > 1:
+            from . import _parallel
+
+            return _parallel.tp_consolidated_16bit_state_dict(self)
+        raise ValueError("_consolidated_16bit_state_dict is for partitioned weights (ZeRO stage 3 or tensor "
+                         f"parallelism), this engine runs stage {self.config.zero_optimization.stage} without AutoTP")
 
     def load_module_state_dict(self, checkpoint: dict, strict: bool = True, custom_load_fn: Any = None,
                                fetch_z3_params: bool = False, z3_params_to_fetch: Any = None,

@@ -27,9 +27,9 @@ def _setting(section: Any, name: str, default: Any) -> Any:
 
 
 def not_built(call: str, feature: str) -> NotImplementedError:
-    from . import __version__
+    from ._version import DS_VERSION
 
-    return NotImplementedError(f"engine.{call}: {feature} is a DeepSpeed feature ds-all {__version__} has not built")
+    return NotImplementedError(f"engine.{call}: {feature} is a DeepSpeed feature ds-all {DS_VERSION} has not built")
 
 
 class EngineGetters:

@@ -72,7 +72,7 @@ def _show_progress_logs() -> None:
 def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any = None, model_parameters: Any = None,
                training_data: Any = None, lr_scheduler: Any = None, mpu: Any = None,
                dist_init_required: bool | None = None, collate_fn: Callable | None = None, config: Any = None,
-               config_params: Any = None) -> tuple[DeepSpeedEngine, Any, Any, Any]:
+               mesh_param: Any = None, config_params: Any = None) -> tuple[DeepSpeedEngine, Any, Any, Any]:
     """Returns ``(engine, optimizer, training_dataloader, lr_scheduler)`` as DeepSpeed's does.
 
     ``model``: the module to train (on the CPU); ``config``: a DeepSpeed config (dict, JSON path or
@@ -85,7 +85,8 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     SLURM tell the rank); ``mpu`` gives the data-parallel group (and the model- and sequence-parallel
     ones: ZeRO's norm and reductions follow them, see ``_parallel``). ``tensor_parallel.autotp_size`` and
     ``sequence_parallel_size`` in the config build such an mpu (ds-parallel's `ModelParallelUnit`) when none
-    is given, and AutoTP slices the model over its tensor-parallel group.
+    is given, and AutoTP slices the model over its tensor-parallel group. ``mesh_param=(data, sequence)`` is
+    DeepSpeed's other spelling of ``data_parallel_size`` and ``sequence_parallel_size``.
     """
     if not isinstance(model, nn.Module):
         raise ValueError(f"initialize: model must be a torch.nn.Module, got {type(model).__name__}")
@@ -104,6 +105,8 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
         mpu = model.mpu()  # the data-parallel group is the stage's replicas
     try:
         loaded = _parallel.merge_recorded(Config.load(source), mpu)  # what ds_all.tp_model_init recorded
+        loaded = _parallel.apply_mesh_param(loaded, mesh_param)  # DeepSpeed's (data, sequence) mesh
+        _parallel.autotp_mode(loaded)  # autotp_size > 0: AutoTP's training mode, as DeepSpeed's initialize
         # tensor_parallel.autotp_size / sequence_parallel_size: ds-parallel's mpu (unless one is given)
         mpu = _parallel.build_mpu(loaded, mpu, pipeline=pipeline)
         dp_world_size = ds_comm.get_world_size(mpu.get_data_parallel_group() if mpu is not None else None)

@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -26,6 +27,7 @@ import ds_comm
 
 from ._runtime_config import dtype_name
 from .config import Config
+from .module_inject.layers import set_autotp_mode
 
 logger = logging.getLogger("ds_all")
 
@@ -51,6 +53,7 @@ def tp_model_init(model: nn.Module, tp_size: int, dtype: torch.dtype, config: An
         raise ValueError(f"tp_model_init: unknown keyword argument(s) {', '.join(unknown)}; the keyword taken is "
                          "tp_group")
     _RECORDED = {"tp_size": tp_size, "dtype": dtype, "tp_group": kwargs.get("tp_group")}
+    set_autotp_mode(training=True)  # as DeepSpeed's
     return model
 
 
@@ -64,7 +67,7 @@ def merge_recorded(config: Config, mpu: Any) -> Config:
         return config
     tp_size, dtype, group = recorded["tp_size"], recorded["dtype"], recorded["tp_group"]
     if group is not None and mpu is not None:
-        raise ValueError("initialize: tp_model_init was given a tp_group, so initialize must not receive an mpu "
+        raise ValueError("initialize: tp_model_init provided tp_group, so initialize must not receive an mpu "
                          "(DeepSpeed's rule); pass one of them")
     if group is not None and ds_comm.get_world_size(group) != tp_size:
         raise ValueError(f"tp_model_init: tp_size ({tp_size}) does not match the tp_group's size "
@@ -86,11 +89,28 @@ def merge_recorded(config: Config, mpu: Any) -> Config:
     precision = "float16" if config.fp16.enabled is True else "bfloat16" if config.bf16.enabled is True else None
     for where, name in (("tensor_parallel.dtype", named), ("the fp16/bf16 sections", precision)):
         if name is not None and getattr(torch, name) != dtype:
-            raise ValueError(f"initialize: {where} in the config ({name}) conflicts with tp_model_init's dtype "
-                             f"({dtype})")
+            raise ValueError(f"initialize: Conflicting dtype: {where} in the config ({name}) conflicts with "
+                             f"tp_model_init's dtype ({dtype})")
     section["autotp_size"] = tp_size
     section.setdefault("dtype", str(dtype))  # "torch.bfloat16": one of DeepSpeed's spellings
     data["tensor_parallel"] = section
+    return Config.model_validate(data)
+
+
+def apply_mesh_param(config: Config, mesh_param: Any) -> Config:
+    """``initialize(mesh_param=(data, sequence))``, DeepSpeed's device mesh: the config's ``data_parallel_size``
+    and ``sequence_parallel_size`` (where the config gives them too, they must be the same)."""
+    if mesh_param is None:
+        return config
+    if (not isinstance(mesh_param, (tuple, list)) or len(mesh_param) != 2
+            or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in mesh_param)):
+        raise ValueError(f"initialize: mesh_param must be (data_parallel_size, sequence_parallel_size), two integers "
+                         f">= 1, got {mesh_param!r}")
+    data = config.as_dict()
+    for key, value in zip(("data_parallel_size", "sequence_parallel_size"), mesh_param, strict=True):
+        if data.get(key) not in (None, value):
+            raise ValueError(f"initialize: mesh_param {tuple(mesh_param)} gives {key} {value}, the config {data[key]}")
+        data[key] = value
     return Config.model_validate(data)
 
 
@@ -131,6 +151,19 @@ def build_mpu(config: Config, mpu: Any, *, pipeline: bool) -> Any:
     """The mpu of this run: ``mpu`` when given (its sizes must be the config's), else, when the config asks
     for tensor or sequence parallelism, ds-parallel's `ModelParallelUnit` over every rank."""
     tp, sp = parallel_sizes(config)
+    if mpu is not None and hasattr(mpu, "initialize_sequence_parallel"):
+        # DeepSpeed reads such an mpu (its parallel_state_sp) as sequence parallelism alone: its model-parallel
+        # answers are the sequence ones and it has no data-parallel group. ds-parallel's mpu of the same
+        # sequence-parallel size has the same sequence groups (neighbouring ranks) and the data groups beside.
+        import ds_parallel
+
+        if sp > 1 and sp != mpu.get_sequence_parallel_world_size():
+            raise ValueError(f"initialize: sequence_parallel_size is {sp} but the mpu passed has "
+                             f"{mpu.get_sequence_parallel_world_size()}; give the same size, or leave the key out")
+        if tp > 1:
+            raise ValueError("initialize: a sequence-parallel mpu (parallel_state_sp) has no tensor-parallel groups; "
+                             f"tensor_parallel.autotp_size {tp} needs another mpu, or none")
+        return ds_parallel.ModelParallelUnit(sequence_parallel_size=mpu.get_sequence_parallel_world_size())
     if tp == 1 and sp == 1:
         return mpu
     what = " and ".join(part for part in (f"tensor_parallel.autotp_size {tp}" if tp > 1 else "",
@@ -158,31 +191,52 @@ def _sliced(model: nn.Module) -> bool:
     return any(getattr(p, "tensor_model_parallel", False) for p in model.parameters())
 
 
+def autotp_mode(config: Config) -> None:
+    """DeepSpeed's: ``tensor_parallel.autotp_size`` above 0 switches AutoTP to training mode."""
+    if config.tensor_parallel.autotp_size > 0:
+        set_autotp_mode(training=True)
+
+
+def _tp_group(mpu: Any) -> Any:
+    return mpu.get_tensor_model_parallel_group() if hasattr(mpu, "get_tensor_model_parallel_group") \
+        else mpu.get_model_parallel_group()
+
+
 def apply_autotp(model: nn.Module, config: Config, mpu: Any) -> None:
-    """With ``tensor_parallel.autotp_size`` > 1: slice ``model`` over the mpu's tensor-parallel group
-    (ds-parallel's `tp_model_init`), unless it holds slices already."""
+    """With ``tensor_parallel.autotp_size`` > 1: slice ``model`` over the mpu's tensor-parallel group: by the
+    rules of ``tensor_parallel.partition_config`` when given (ds-parallel's `apply_partition_config`: layers
+    built from ds-parallel's already are left), else by recognised names (ds-parallel's `tp_model_init`)
+    unless it holds slices already."""
     tp, _ = parallel_sizes(config)
-    if tp == 1 or _sliced(model) or getattr(model, "ds_autotp_parsed", False):
+    if tp == 1 or getattr(model, "ds_autotp_parsed", False):
         return
     import ds_parallel
+
+    rules = config.tensor_parallel.partition_config
+    if rules is not None:
+        ds_parallel.apply_partition_config(model, rules, _tp_group(mpu))
+        return
+    if _sliced(model):
+        return
 
     name = dtype_name(config.tensor_parallel.dtype, "tensor_parallel.dtype")
     dtype = getattr(torch, name) if name is not None else next(
         (p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-    group = mpu.get_tensor_model_parallel_group() if hasattr(mpu, "get_tensor_model_parallel_group") \
-        else mpu.get_model_parallel_group()
-    ds_parallel.tp_model_init(model, tp, dtype, tp_group=group)
+    ds_parallel.tp_model_init(model, tp, dtype, tp_group=_tp_group(mpu))
 
 
 def configure_engine(engine: Any) -> dict[str, Any]:
     """Set the engine's sequence-parallel attributes (DeepSpeed's ``sequence_parallel_size``,
-    ``seq_parallel_group``, ``seq_data_parallel_group``, ``seq_dp_world_size``) and return how ZeRO
+    ``seq_parallel_group``, ``seq_data_parallel_group``, ``seq_dp_world_size``, and ``checkpoint_mp_rank``),
+    arm AutoTP's first-batch check (`check_tensor_parallel_inputs`) and return how ZeRO
     partitions, reduces and counts the norm: ``group``, ``gradient_averaging_size``,
     ``communication_data_type`` (``seq_parallel_communication_data_type``), and with model
     parallelism ``model_parallel_group`` and ``tensor_parallel_rank``."""
     mpu = engine.mpu
     sp = sequence_parallel_size(mpu)
     engine.sequence_parallel_size = sp
+    # DeepSpeed's: the model-parallel rank this rank's checkpoint files are named by (0 without model parallelism)
+    engine.checkpoint_mp_rank = mpu.get_model_parallel_rank() if mpu is not None and engine.mp_world_size > 1 else 0
     engine.seq_parallel_group = mpu.get_sequence_parallel_group() if sp > 1 else None
     if sp > 1:
         engine.seq_data_parallel_group = mpu.get_sequence_data_parallel_group()
@@ -203,27 +257,121 @@ def configure_engine(engine: Any) -> dict[str, Any]:
         if group is not None:
             options["model_parallel_group"] = group
             options["tensor_parallel_rank"] = tensor_parallel_rank(mpu)
+    synchronize_replicas(engine)  # what AutoTP left whole is the same on every tensor-parallel rank
+    check_tensor_parallel_inputs(engine)  # the first batch must agree across each tensor-parallel group
     if engine.global_rank == 0 and (sp > 1 or engine.mp_world_size > 1):
         logger.info("parallel groups: data %d, model %d, sequence %d, sequence × data %d", engine.dp_world_size,
                     engine.mp_world_size, sp, engine.seq_dp_world_size)
     return options
 
 
+def _whole_state(engine: Any) -> dict | None:
+    """The module's weights whole on global rank 0 (None elsewhere): the slices of ds-parallel's AutoTP layers
+    (`LinearLayer`, `LinearAllreduce`, however the model got them) gathered over their groups. A collective."""
+    import ds_parallel
+
+    model = engine.module
+    autotp = (ds_parallel.LinearLayer, ds_parallel.LinearAllreduce)
+    in_layers = {id(p) for m in model.modules() if isinstance(m, autotp) for p in m.parameters(recurse=False)}
+    other = [n for n, p in model.named_parameters() if getattr(p, "tensor_model_parallel", False)
+             and id(p) not in in_layers]
+    if other:
+        raise NotImplementedError(f"the whole weights of a model built from Megatron-style tensor-parallel layers "
+                                  f"({', '.join(other[:3])}...) are not implemented in ds-all: their slices are not "
+                                  "gathered; use save_checkpoint, or AutoTP's layers")
+    if engine.config.zero_optimization.stage == 3:
+        raise NotImplementedError("the whole weights of an AutoTP model at zero_optimization.stage 3 are not "
+                                  "implemented in ds-all; use stage 0, 1 or 2")
+    return ds_parallel.replace_module_consolidated_state_dict(model, rank0_only=True)
+
+
 def consolidated_state_dict(engine: Any) -> dict | None:
     """``save_16bit_model``'s weights of a tensor-parallel model, whole (DeepSpeed's
     ``_replace_module_consolidated_state_dict``: AutoTP's slices gathered over their groups, on rank 0; {}
     elsewhere); None when the model holds no tensor-parallel slices (ZeRO's gather is the answer then)."""
-    model = engine.module
-    if engine.mp_world_size == 1 or not _sliced(model):
+    if engine.mp_world_size == 1 or not _sliced(engine.module):
         return None
-    if not getattr(model, "ds_autotp_parsed", False):
-        raise NotImplementedError("save_16bit_model of a model built from tensor-parallel layers (Megatron-style) is "
-                                  "not implemented in ds-all: its slices are not gathered into whole weights; use "
-                                  "save_checkpoint, or AutoTP (tensor_parallel.autotp_size) on the unsliced model")
-    if engine.config.zero_optimization.stage == 3:
-        raise NotImplementedError("save_16bit_model of an AutoTP model at zero_optimization.stage 3 is not "
-                                  "implemented in ds-all; use stage 0, 1 or 2")
-    import ds_parallel
-
-    state = ds_parallel.replace_module_consolidated_state_dict(model, rank0_only=True)
+    state = _whole_state(engine)
     return dict(state) if state is not None else {}
+
+
+def tp_consolidated_16bit_state_dict(engine: Any) -> dict | None:
+    """DeepSpeed's ``_consolidated_16bit_state_dict`` under AutoTP (``autotp_size`` > 1, stages 0-2): the
+    module's state dict with every AutoTP slice gathered, CPU copies, on global rank 0; None elsewhere. Every
+    rank calls it."""
+    if engine.mp_world_size == 1 or not _sliced(engine.module):
+        state = OrderedDict((k, v.detach().to("cpu", copy=True)) for k, v in engine.module.state_dict().items())
+        return state if engine.global_rank == 0 else None
+    return _whole_state(engine)
+
+
+class TensorParallelInputMismatch(ValueError, AssertionError):
+    """The ranks of a tensor-parallel group were given different inputs (DeepSpeed raises an AssertionError
+    with this message; this is both)."""
+
+
+# DeepSpeed's message, word for word: code (and DeepSpeed's tests) compare it
+_MISMATCH = "Data inconsistency within the TP group. Please check the Dataloader implementation to ensure consistency."
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
+                and a.dtype == b.dtype and torch.equal(a.detach().cpu(), b.detach().cpu()))
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    try:
+        return bool(a == b)
+    except (RuntimeError, TypeError, ValueError):  # no usable == (an array's is elementwise): the same object only
+        return a is b
+
+
+class TensorParallelInputCheck:
+    """DeepSpeed's first-batch check under AutoTP: before the module's first forward, the tensor-parallel
+    group's first rank sends its inputs to the others, each compares them with its own, and if any rank's
+    differ every rank raises `TensorParallelInputMismatch` (the ranks of a tensor-parallel group must see the
+    same batch). After a forward whose inputs agree the check is removed."""
+
+    def __init__(self, module: nn.Module, group: Any, device: torch.device) -> None:
+        self.group, self.device = group, device
+        self.src = ds_comm.get_global_rank(group, 0)
+        self.handle = module.register_forward_pre_hook(self, prepend=True, with_kwargs=True)
+
+    def _check(self, values: Any) -> bool:
+        box = [values if ds_comm.get_rank() == self.src else None]
+        torch.distributed.broadcast_object_list(box, src=self.src, group=self.group, device=self.device)
+        agree = torch.tensor([1.0 if _same(values, box[0]) else 0.0], device=self.device)
+        ds_comm.all_reduce(agree, op=ds_comm.ReduceOp.MIN, group=self.group)
+        return bool(agree.item() == 1.0)
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        consistent = self._check(list(args)) and self._check(kwargs)
+        if not consistent:
+            raise TensorParallelInputMismatch(_MISMATCH)
+        logger.info("the inputs agree across the tensor-parallel group")
+        self.handle.remove()
+
+
+def synchronize_replicas(engine: Any) -> None:
+    """Under AutoTP over more than one rank, every parameter not sliced (no ``tensor_model_parallel`` mark: norms,
+    embeddings, row-parallel biases, linears left whole) is made the same on each tensor-parallel group's ranks,
+    broadcast from its first rank. AutoTP computes as one model only when they are (a row-parallel layer sums
+    partial products of the same input), and a checkpoint keeps one copy of them; DeepSpeed leaves them as each
+    rank built them."""
+    if engine.autotp_size() <= 1 or engine.mpu is None or tensor_parallel_size(engine.mpu) <= 1:
+        return
+    group = _tp_group(engine.mpu)
+    src = ds_comm.get_global_rank(group, 0)
+    with torch.no_grad():
+        for param in engine.module.parameters():
+            if not getattr(param, "tensor_model_parallel", False):
+                ds_comm.broadcast(param.data, src=src, group=group)
+
+
+def check_tensor_parallel_inputs(engine: Any) -> TensorParallelInputCheck | None:
+    """Under AutoTP over more than one rank, the `TensorParallelInputCheck` of the engine's module."""
+    if engine.autotp_size() <= 1 or engine.mpu is None or tensor_parallel_size(engine.mpu) <= 1:
+        return None
+    return TensorParallelInputCheck(engine.module, _tp_group(engine.mpu), engine.device)

@@ -82,6 +82,18 @@ class TensorParallelConfig(Section):
         dtype_name(value, "tensor_parallel.dtype")
         return value
 
+    @field_validator("partition_config")
+    @classmethod
+    def _partition_config(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None:  # its rules checked now (ds-parallel's AutoTPConfig), applied by initialize
+            import ds_parallel
+
+            try:
+                ds_parallel.AutoTPConfig.from_dict(value)
+            except ValueError as err:
+                raise ValueError(f"tensor_parallel.{err}") from None
+        return value
+
     def refusal(self) -> str | None:
         """What the section asks for that is not built (None: nothing): AutoTP's options beyond slicing the
         attention and MLP linears over ``autotp_size`` ranks."""
@@ -90,7 +102,6 @@ class TensorParallelConfig(Section):
                    ("vocab_parallel_ce_backend", self.vocab_parallel_ce_backend, ("torch",)),
                    ("tp.tp_grain_size", self.tensor_parallel.tp_grain_size, (1,)),
                    ("injection_policy_tuple", self.injection_policy_tuple, (None,)),
-                   ("partition_config", self.partition_config, (None,)),
                    ("preset_model", self.preset_model, (None,)),
                    ("keep_module_on_host", self.keep_module_on_host, (False,)),
                    ("replace_with_kernel_inject", self.replace_with_kernel_inject, (False,)))

@@ -1,5 +1,12 @@
 """DeepSpeed's ``deepspeed.accelerator``: ``from ds_all.accelerator import get_accelerator`` (ds-ops' seam)."""
 
-from ds_ops import Accelerator, get_accelerator, set_accelerator
+from ds_ops import (
+    SUPPORTED_ACCELERATOR_LIST,
+    Accelerator,
+    get_accelerator,
+    is_current_accelerator_supported,
+    set_accelerator,
+)
 
-__all__ = ["Accelerator", "get_accelerator", "set_accelerator"]
+__all__ = ["SUPPORTED_ACCELERATOR_LIST", "Accelerator", "get_accelerator", "is_current_accelerator_supported",
+           "set_accelerator"]

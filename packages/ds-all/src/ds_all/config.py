@@ -58,7 +58,8 @@ LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
 # "auto" values that are settings of their own, not placeholders for the caller to fill in.
-MEANINGFUL_AUTO = ("pipeline.stages", "data_types.keep_in_fp32_modules")
+MEANINGFUL_AUTO = ("pipeline.stages", "data_types.keep_in_fp32_modules", "zero_optimization.zenflow.select_strategy",
+                   "zero_optimization.zenflow.select_interval", "zero_optimization.zenflow.update_interval")
 
 
 def _enabled(value: Any) -> bool:
@@ -174,9 +175,9 @@ class Config(Section):
             if key in out:
                 value = out.pop(key)
                 if _enabled(value):
-                    from . import __version__
+                    from ._version import DS_VERSION
 
-                    raise ValueError(f"{key} is a DeepSpeed feature ds-all {__version__} does not implement; remove "
+                    raise ValueError(f"{key} is a DeepSpeed feature ds-all {DS_VERSION} does not implement; remove "
                                      f"the key or disable it (got {value!r})")
         return out
 
@@ -202,10 +203,10 @@ class Config(Section):
         return self
 
     def _refuse_what_is_not_built(self) -> None:
-        from . import __version__
+        from ._version import DS_VERSION
 
         def refuse(what: str, fix: str) -> None:
-            raise ValueError(f"{what} is not implemented in ds-all {__version__}; {fix}")
+            raise ValueError(f"{what} is not implemented in ds-all {DS_VERSION}; {fix}")
 
         for section in (self.tensor_parallel, self.compile):
             what = section.refusal()

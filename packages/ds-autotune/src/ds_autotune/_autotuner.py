@@ -21,10 +21,11 @@ import shlex
 import shutil
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from . import _space
 from ._config import AutotuningConfig
+from ._resources import ResourceManager, normalize_arg_mappings
 from ._runner import Runner, config_index, write_atomic, write_json
 from ._tuners import TUNERS
 
@@ -36,8 +37,12 @@ class Autotuner:
     ``run_after_tuning()`` for ``run``); see the module docstring."""
 
     def __init__(self, user_script: str, user_args: Sequence[str], *, num_gpus: int | None = None,
-                 num_nodes: int | None = None, launcher_args: Sequence[str] = (), memory_per_gpu: int | None = None,
+                 num_nodes: int | None = None, active_resources: Mapping[str, Sequence[int]] | None = None,
+                 launcher_args: Sequence[str] = (), memory_per_gpu: int | None = None,
                  seed: int | None = None, exp_timeout: float = 600.0) -> None:
+        for name, value in (("num_gpus", num_gpus), ("num_nodes", num_nodes)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"ds-autotune: {name} must be an integer >= 1 or None (not given), got {value!r}")
         path = list(user_args)[config_index(user_args)]
         path = path.split("=", 1)[1] if path.startswith("--") else path
         if not os.path.isfile(path):
@@ -45,29 +50,52 @@ class Autotuner:
         with open(path) as f:
             self.user_config = json.load(f)
         self.config = AutotuningConfig.from_dict(self.user_config.get("autotuning"))
-        self.num_gpus = num_gpus or self.config.num_gpus or 1
-        self.num_nodes = num_nodes or self.config.num_nodes or 1
-        self.memory_per_gpu, self.seed = memory_per_gpu, seed
         self.results_dir, self.exps_dir = self.config.results_dir, self.config.exps_dir
+        # the command line's numbers win over the section's; with active_resources, the pool's fill the rest
+        num_gpus, num_nodes = num_gpus or self.config.num_gpus, num_nodes or self.config.num_nodes
+        self.resources: ResourceManager | None = None
+        if active_resources is None:
+            self.exp_num_gpus, self.exp_num_nodes = num_gpus or 1, num_nodes or 1
+            resource_options = [f"--num_gpus={num_gpus}"] if num_gpus else []
+            resource_options += [f"--num_nodes={num_nodes}"] if num_nodes else []
+        else:
+            self.resources = ResourceManager.from_active_resources(
+                active_resources, results_dir=self.results_dir, exps_dir=self.exps_dir,
+                arg_mappings=self.config.arg_mappings)
+            self.exp_num_nodes, self.exp_num_gpus = self.resources.experiment_resources(num_nodes, num_gpus)
+            resource_options = self._resource_options(launcher_args)
+        self.memory_per_gpu, self.seed = memory_per_gpu, seed
         if self.config.overwrite:
             for d in (self.results_dir, self.exps_dir):
                 shutil.rmtree(d, ignore_errors=True)
         os.makedirs(self.results_dir, exist_ok=True)
         os.makedirs(self.exps_dir, exist_ok=True)
         self.runner = Runner(user_script, user_args, results_dir=self.results_dir, exps_dir=self.exps_dir,
-                             launcher_args=launcher_args, num_gpus=num_gpus or self.config.num_gpus,
-                             num_nodes=num_nodes or self.config.num_nodes,
-                             overwrite=self.config.overwrite, timeout=exp_timeout,
-                             arg_mappings=self.config.arg_mappings)
+                             launcher_args=[*launcher_args, *resource_options], overwrite=self.config.overwrite,
+                             timeout=exp_timeout,
+                             arg_mappings=normalize_arg_mappings(self.config.arg_mappings))
         self.records: list[dict] = []  # every experiment: name, ds_config, status, metric
         self.model_info: dict | None = None
         self.best: dict | None = None
         self.start_time = time.time()
 
+    def _resource_options(self, launcher_args: Sequence[str]) -> list[str]:
+        """The launcher options that give each experiment its hosts and slots out of ``self.resources``."""
+        given = {word.split("=", 1)[0] for word in launcher_args}
+        clash = given & {"--include", "-i", "--exclude", "-e", "--num_gpus", "--num_nodes"}
+        if clash:
+            raise ValueError(f"ds-autotune: active_resources already say which hosts and slots to use; "
+                             f"{', '.join(sorted(clash))} in launcher_args cannot be combined with them")
+        selection = self.resources.select(self.exp_num_nodes, self.exp_num_gpus)
+        if list(selection) == ["localhost"] and selection["localhost"] == list(range(self.exp_num_gpus)) \
+                and not given & {"--hostfile", "-H"}:
+            return [f"--num_gpus={self.exp_num_gpus}"]  # this machine's first slots (also without accelerators)
+        return [f"--include={self.resources.include(self.exp_num_nodes, self.exp_num_gpus)}"]
+
     # ------------------------------------------------------------------------------ steps
     @property
     def total_gpus(self) -> int:
-        return self.num_gpus * self.num_nodes
+        return self.exp_num_gpus * self.exp_num_nodes
 
     def fp16(self) -> bool:
         return bool(self.user_config.get("fp16", {}).get("enabled", False) is True)
@@ -85,7 +113,8 @@ class Autotuner:
                    train_batch_size=self.total_gpus // self.config.mp_size or 1)
         cfg["zero_optimization"] = {"stage": 3}
         cfg["autotuning"] = {"enabled": True, "model_info": {"profile": True}}
-        exp = {"name": "profile_model_info", "ds_config": cfg, "num_gpus": self.num_gpus, "num_nodes": self.num_nodes}
+        exp = {"name": "profile_model_info", "ds_config": cfg, "num_gpus": self.exp_num_gpus,
+               "num_nodes": self.exp_num_nodes}
         info = self.runner.run(exp, output_key="model_info_path", output_name="model_info.json")
         if info is None:
             log.error("the model-info run failed (%s): the script does not run with this config",
@@ -115,8 +144,8 @@ class Autotuner:
             for offload in variants:
                 for mbs in sizes:
                     exps.append(_space.make_experiment(self.user_config, self.config, stage=stage, mbs=mbs,
-                                                       max_per_gpu=per_gpu, num_gpus=self.num_gpus,
-                                                       num_nodes=self.num_nodes, offload=offload))
+                                                       max_per_gpu=per_gpu, num_gpus=self.exp_num_gpus,
+                                                       num_nodes=self.exp_num_nodes, offload=offload))
         small = [e for e in exps if e["ds_config"]["train_batch_size"] < self.config.min_train_batch_size]
         for exp in small:
             log.info("skipped %s: train_batch_size %d is below autotuning.min_train_batch_size %d", exp["name"],
@@ -155,11 +184,11 @@ class Autotuner:
         """Tune; returns the best record (None when nothing ran)."""
         self.start_time = time.time()
         log.info("autotuning %s on %d rank(s) x %d node(s): metric %s, tuner %s, fast %s", self.runner.user_script,
-                 self.num_gpus, self.num_nodes, self.config.metric, self.config.tuner_type, self.config.fast)
+                 self.exp_num_gpus, self.exp_num_nodes, self.config.metric, self.config.tuner_type, self.config.fast)
         self.model_info = self.model_info_profile_run()
         if not self.model_info or not self.model_info.get("num_params"):
             return None
-        memory = self.memory_per_gpu or _space.memory_per_rank(self.model_info, self.num_gpus)
+        memory = self.memory_per_gpu or _space.memory_per_rank(self.model_info, self.exp_num_gpus)
         log.info("the model has %d parameters, %s activation memory per sample; %s memory per rank",
                  self.model_info["num_params"], _space.memory_string(self.model_info.get("activation_mem_per_gpu", 0)),
                  _space.memory_string(memory))
@@ -189,7 +218,7 @@ class Autotuner:
             for value in values:
                 exps.append(_space.make_experiment(
                     self.user_config, self.config, stage=stage, mbs=mbs, max_per_gpu=mbs * gas,
-                    num_gpus=self.num_gpus, num_nodes=self.num_nodes,
+                    num_gpus=self.exp_num_gpus, num_nodes=self.exp_num_nodes,
                     offload=bool(cfg["zero_optimization"].get("offload_optimizer")), extra={key: value}))
         tuner = self._tuner(exps)
         tuner.tune(sample_size=1, n_trials=self.config.tuner_num_trials, early_stopping=self.config.tuner_early_stopping)
@@ -229,22 +258,34 @@ class Autotuner:
         return self.runner.command(self.best, path)
 
     def write_results(self) -> None:
-        """summary.txt, results.json, and for the best: ds_config_optimal.json (without the autotuning
-        section) and cmd_optimal.txt, in ``results_dir``, each written atomically."""
+        """`write_summary` then `write_optimal_config`; the summary is logged."""
+        text = self.write_summary()
+        self.write_optimal_config()
+        for line in text.splitlines():
+            log.info("%s", line)
+
+    def write_summary(self) -> str:
+        """summary.txt (`summary`) and results.json (every experiment, the model info, the best) in
+        ``results_dir``, each written atomically; returns the summary."""
         text = self.summary()
         write_atomic(os.path.join(self.results_dir, "summary.txt"), text)
         write_json(os.path.join(self.results_dir, "results.json"),
                    {"metric": self.config.metric, "model_info": self.model_info, "best": self.best,
                     "experiments": self.records})
-        if self.best is not None:
-            optimal = {k: v for k, v in self.best["ds_config"].items() if k != "autotuning"}
-            write_json(os.path.join(self.results_dir, "ds_config_optimal.json"), optimal)
-            write_atomic(os.path.join(self.results_dir, "cmd_optimal.txt"), shlex.join(self.optimal_command()) + "\n")
-            log.info("wrote the optimal config to %s and its command to %s",
-                     os.path.join(self.results_dir, "ds_config_optimal.json"),
-                     os.path.join(self.results_dir, "cmd_optimal.txt"))
-        for line in text.splitlines():
-            log.info("%s", line)
+        return text
+
+    def write_optimal_config(self) -> None:
+        """For the best experiment: ds_config_optimal.json (its config without the autotuning section) and
+        cmd_optimal.txt (the command that trains with it) in ``results_dir``, each written atomically;
+        nothing when no experiment succeeded."""
+        if self.best is None:
+            return
+        optimal = {k: v for k, v in self.best["ds_config"].items() if k != "autotuning"}
+        write_json(os.path.join(self.results_dir, "ds_config_optimal.json"), optimal)
+        write_atomic(os.path.join(self.results_dir, "cmd_optimal.txt"), shlex.join(self.optimal_command()) + "\n")
+        log.info("wrote the optimal config to %s and its command to %s",
+                 os.path.join(self.results_dir, "ds_config_optimal.json"),
+                 os.path.join(self.results_dir, "cmd_optimal.txt"))
 
     def run_after_tuning(self) -> int:
         """Train with the optimal config (cmd_optimal.txt); its exit code (1 when none was found)."""

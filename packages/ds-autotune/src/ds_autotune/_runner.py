@@ -17,6 +17,8 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ._keys import get_val_by_key
+
 log = logging.getLogger("ds_autotune")
 
 CONFIG_OPTIONS = ("--deepspeed_config", "--ds_config", "--deepspeed")
@@ -62,12 +64,13 @@ def config_index(user_args: Sequence[str]) -> int:
 def with_config(user_args: Sequence[str], path: str, exp: Mapping | None = None,
                 arg_mappings: Mapping | None = None) -> list[str]:
     """The script's arguments with the config replaced by ``path`` and, with ``arg_mappings``
-    (DeepSpeed's: config key -> the script's option), each mapped option set to the experiment's value."""
+    (DeepSpeed's: config key -> the script's option), each mapped option set to the experiment's value
+    (the key found at any depth of its config, as `get_val_by_key` finds it: ``stage`` too)."""
     args = list(user_args)
     i = config_index(args)
     args[i] = f"{args[i].split('=', 1)[0]}={path}" if "=" in args[i] and args[i].startswith("--") else path
     for key, option in (arg_mappings or {}).items():
-        value = (exp or {}).get("ds_config", {}).get(key)
+        value = get_val_by_key((exp or {}).get("ds_config", {}), key)
         if value is None or value == "auto":
             continue
         if option in args and args.index(option) + 1 < len(args):
@@ -94,22 +97,17 @@ class Runner:
     holds its ds_config.json, cmd.txt, stdout.log, stderr.log and the metric file the engine wrote)."""
 
     def __init__(self, user_script: str, user_args: Sequence[str], *, results_dir: str, exps_dir: str,
-                 launcher_args: Sequence[str] = (), num_gpus: int | None = None, num_nodes: int | None = None,
-                 overwrite: bool = False, timeout: float = 600.0, arg_mappings: Mapping | None = None) -> None:
+                 launcher_args: Sequence[str] = (), overwrite: bool = False, timeout: float = 600.0,
+                 arg_mappings: Mapping | None = None) -> None:
         config_index(user_args)  # fail now, not at the first experiment
         self.user_script, self.user_args = user_script, list(user_args)
         self.results_dir, self.exps_dir = results_dir, exps_dir
         self.launcher_args = list(launcher_args)
-        self.num_gpus, self.num_nodes = num_gpus, num_nodes
         self.overwrite, self.timeout, self.arg_mappings = overwrite, timeout, arg_mappings
         self.count = 0
 
     def command(self, exp: Mapping, config_path: str, port: int | None = None) -> list[str]:
         cmd = launcher_command() + list(self.launcher_args)
-        if self.num_gpus:
-            cmd += ["--num_gpus", str(self.num_gpus)]
-        if self.num_nodes:
-            cmd += ["--num_nodes", str(self.num_nodes)]
         if port is not None:
             cmd += ["--master_port", str(port)]
         return [*cmd, self.user_script, *with_config(self.user_args, config_path, exp, self.arg_mappings)]

@@ -30,6 +30,11 @@ class ConfigError(ValueError):
             lines.append(message if not where or message.startswith(where) else f"{where}: {message}")
         super().__init__("\n".join(lines))
 
+    def __reduce__(self):
+        # what pickle calls: rebuild from the problems, not from the message (a process pool sends a worker's
+        # error to its parent pickled, and an error that cannot be unpickled hangs DeepSpeed's test pool)
+        return type(self), (self.problems, self.section)
+
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict:
     keys = [key for key, _ in pairs]

@@ -157,7 +157,7 @@ class ProgressiveLayerDropConfig(Section):
     section = PLD
 
     enabled: bool = Field(False, description="Compute the keep ratio theta each step and pass it to forward.")
-    theta: float = Field(1.0, description="The keep ratio theta converges to, in (0, 1] (DeepSpeed's default "
+    theta: float = Field(1.0, description="The keep ratio theta converges to, in [0, 1] (DeepSpeed's default "
                          "1.0 drops nothing; the PLD paper uses 0.5).")
     gamma: float = Field(0.001, description="How fast theta falls from 1 to its final value: "
                          "theta(t) = (1 - theta) * exp(-gamma * t) + theta; >= 0.")
@@ -165,8 +165,8 @@ class ProgressiveLayerDropConfig(Section):
     @field_validator("theta")
     @classmethod
     def _theta(cls, value: float) -> float:
-        if not (0.0 < value <= 1.0):
-            raise ValueError(f"{PLD}.theta must be in (0, 1] (the final keep ratio), got {value!r}")
+        if not (0.0 <= value <= 1.0):  # 0 is DeepSpeed's too: every block's keep probability falls towards 1 - (i+1)/L
+            raise ValueError(f"{PLD}.theta must be in [0, 1] (the final keep ratio), got {value!r}")
         return float(value)
 
     @field_validator("gamma")

@@ -15,9 +15,8 @@ model replica: the 0.1 search runs over node counts with the batch per node's da
 the valid counts it returns are data-parallel world sizes. A world size outside that list gets the
 largest (or smallest) batch within ``max_train_batch_size`` that this world size alone can train with.
 
-As in DeepSpeed, the micro-batch sizes' LCM is a candidate even when it exceeds ``max_train_batch_size``
-(DeepSpeed's own test expects it: sizes [1, 2, 3, 7] with a maximum of 32 give 42); a warning says so when
-it wins. Where DeepSpeed would return a nonsensical result we raise instead: a configuration with no valid
+A base above ``max_train_batch_size`` (the micro-batch sizes' LCM can be) is no candidate, as in DeepSpeed
+since its PR 8237 (0.19.6): the batch never exceeds the maximum. Where DeepSpeed would return a nonsensical result we raise instead: a configuration with no valid
 device count, or a world size too large for any batch within the maximum, is an error rather than an
 empty list or a batch of 0.
 """
@@ -152,10 +151,11 @@ def _valid_counts(batch: int, micro: list[int], low: int, high: int) -> list[int
 
 
 def _search_v01(micro: list[int], max_batch: int, low: int, high: int, prefer_larger: bool) -> tuple[int, list[int]]:
-    bases = set(micro) | {math.lcm(*micro)}
-    candidates = set()
-    for base in bases:  # the largest base × h within the maximum, or the base itself (the LCM may exceed it)
-        candidates.add(max([base] + [base * h for h in _HIGHLY_COMPOSITE if base * h <= max_batch]))
+    # A base above the maximum is skipped (DeepSpeed PR 8237, in DeepSpeed since 0.19.6): scaling only grows
+    # it, so it can give no batch within max_train_batch_size. Each micro-batch size is at most the maximum
+    # (checked before), so some base remains.
+    bases = {base for base in set(micro) | {math.lcm(*micro)} if base <= max_batch}
+    candidates = {max([base] + [base * h for h in _HIGHLY_COMPOSITE if base * h <= max_batch]) for base in bases}
     best: tuple[int, int] | None = None  # (number of valid counts, batch), ordered by preference
     for batch in candidates:
         key = (len(_valid_counts(batch, micro, low, high)), batch if prefer_larger else -batch)
@@ -165,9 +165,6 @@ def _search_v01(micro: list[int], max_batch: int, low: int, high: int, prefer_la
         raise ElasticityConfigError(f"no batch size <= max_train_batch_size {max_batch} from micro_batch_sizes "
                                     f"{micro} trains on any device count in [{low}, {high}]")
     batch = abs(best[1])
-    if batch > max_batch:
-        log.warning("elastic batch size %d (the LCM of micro_batch_sizes %s) exceeds max_train_batch_size %d, as "
-                    "DeepSpeed computes it", batch, micro, max_batch)
     return batch, _valid_counts(batch, micro, low, high)
 
 

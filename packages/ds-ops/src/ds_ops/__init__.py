@@ -13,7 +13,13 @@
 
 __version__ = "0.1.0"
 
-from ._accelerator import Accelerator, get_accelerator, set_accelerator
+from ._accelerator import (
+    SUPPORTED_ACCELERATOR_LIST,
+    Accelerator,
+    get_accelerator,
+    is_current_accelerator_supported,
+    set_accelerator,
+)
 from .adagrad import CPUAdagrad
 from .adam import CPUAdam, FusedAdam, adam_step, has_inf_or_nan
 from .lamb import FusedLamb
@@ -21,5 +27,6 @@ from .lion import CPULion
 from .op_builder import OpBuilder, OpBuildError
 from .sparse_attention import SparseAttentionConfig
 
-__all__ = ["Accelerator", "CPUAdagrad", "CPUAdam", "CPULion", "FusedAdam", "FusedLamb", "OpBuildError", "OpBuilder",
-           "SparseAttentionConfig", "__version__", "adam_step", "get_accelerator", "has_inf_or_nan", "set_accelerator"]
+__all__ = ["SUPPORTED_ACCELERATOR_LIST", "Accelerator", "CPUAdagrad", "CPUAdam", "CPULion", "FusedAdam", "FusedLamb",
+           "OpBuildError", "OpBuilder", "SparseAttentionConfig", "__version__", "adam_step", "get_accelerator",
+           "has_inf_or_nan", "is_current_accelerator_supported", "set_accelerator"]

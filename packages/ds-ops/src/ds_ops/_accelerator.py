@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 ACCELERATORS = ("cpu", "cuda")
+SUPPORTED_ACCELERATOR_LIST = list(ACCELERATORS)  # DeepSpeed's name for the accelerators this build supports
 
 
 def _rss() -> int:
@@ -339,6 +340,11 @@ def get_accelerator() -> Accelerator:
                              f"got {os.environ['DS_ACCELERATOR']!r}")
         _current = Accelerator(name or ("cuda" if torch.cuda.is_available() else "cpu"))
     return _current
+
+
+def is_current_accelerator_supported() -> bool:
+    """DeepSpeed's check: is the process's accelerator one that ds supports (`SUPPORTED_ACCELERATOR_LIST`)."""
+    return get_accelerator().device_name() in SUPPORTED_ACCELERATOR_LIST
 
 
 def set_accelerator(accelerator: Accelerator) -> None:

@@ -56,6 +56,16 @@ def _to_device(x: Any, device: torch.device) -> Any:
     return x
 
 
+def _mean_loss(losses: list[torch.Tensor]) -> torch.Tensor:
+    """The micro-batches' mean loss as DeepSpeed's pipeline reports it: summed in order in the losses'
+    dtype (float32 at least: ds does not sum 16-bit losses in 16 bits), then divided by their count.
+    A mean taken in float64 is up to a few float32 ulps away from DeepSpeed's value at the same weights."""
+    total = torch.zeros((), dtype=torch.promote_types(losses[0].dtype, torch.float32), device=losses[0].device)
+    for loss in losses:
+        total += loss.detach().reshape(())
+    return total / len(losses)
+
+
 class PipelineExecutor:
     """Train and evaluate a `PipelineModule` a global batch at a time.
 
@@ -245,7 +255,7 @@ class PipelineExecutor:
         status = torch.zeros(world + 2, dtype=torch.float64, device=self.channel.wire)
         status[ds_comm.get_rank()] = 1.0 if failed else 0.0
         if self._losses:
-            status[world] = torch.stack([loss.detach().double() for loss in self._losses]).mean().to(status.device)
+            status[world] = _mean_loss(self._losses).double().to(status.device)
             status[world + 1] = 1.0
         ds_comm.all_reduce(status, group=self.group)
         host = status.cpu()  # read on the host once

@@ -41,6 +41,9 @@ class PeerFailed(RuntimeError):
         super().__init__(message)
         self.source = source  # the rank that told this one (it needs no word back)
 
+    def __reduce__(self):  # pickled with its source rank, not the message alone
+        return type(self), (str(self), self.source)
+
 
 def _describe(meta: list[tuple]) -> str:
     return ", ".join(f"{str(dtype).removeprefix('torch.')}{list(shape)}" for dtype, shape, _ in meta)

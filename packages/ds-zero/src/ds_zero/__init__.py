@@ -51,6 +51,7 @@ from ._leaf import (
 from ._loss_scaler import CreateLossScaler, DynamicLossScaler, LossScaler, LossScalerBase
 from ._optimizer import ZeroOptimizer
 from ._params import ZeroParamStatus
+from ._recovery import recovery_main, write_recovery_scripts
 from ._state_access import (
                         safe_get_full_fp32_param,
                         safe_get_full_grad,
@@ -89,11 +90,11 @@ __all__ = ["BF16Config", "CreateLossScaler", "DynamicLossScaler", "FP16Config", 
            "estimate_zero3_model_states_mem_needs_all_live", "estimate_zero_model_states_mem_needs",
            "get_fp32_state_dict_from_zero_checkpoint", "get_z3_leaf_modules", "is_deepspeed_checkpoint",
            "load_deepspeed_checkpoint", "load_state_dict_from_zero_checkpoint", "load_zero_checkpoint",
-           "read_zero_metadata", "register_external_parameter", "safe_get_full_fp32_param", "safe_get_full_grad",
+           "read_zero_metadata", "recovery_main", "register_external_parameter", "safe_get_full_fp32_param", "safe_get_full_grad",
            "safe_get_full_optimizer_state", "safe_get_local_fp32_param", "safe_get_local_grad",
            "safe_get_local_optimizer_state", "safe_set_full_fp32_param", "safe_set_full_grad",
            "safe_set_full_optimizer_state", "safe_set_local_fp32_param", "safe_set_local_grad",
            "safe_set_local_optimizer_state", "safe_update_full_grad_vectorized", "save_zero_checkpoint",
            "set_z3_leaf_module", "set_z3_leaf_modules", "set_z3_leaf_modules_by_name",
            "set_z3_leaf_modules_by_suffix", "unregister_external_parameter", "unset_z3_leaf_modules",
-           "z3_leaf_module", "z3_leaf_parameter"]
+           "write_recovery_scripts", "z3_leaf_module", "z3_leaf_parameter"]

@@ -256,8 +256,18 @@ def _other_entries(zero: ZeroOptimizer, exclude_frozen: bool = False, values: bo
     frozen = [] if exclude_frozen else list(zero.model.named_parameters())
     shards = zero.internals.frozen
     whole = shards.whole() if shards is not None and frozen and values else {}
+    transient = _non_persistent_buffers(zero.model)
     return {f"module/{_saved_name(zero, name)}": whole.get(id(tensor), tensor.detach())
-            for name, tensor in [*frozen, *zero.model.named_buffers()] if id(tensor) not in trainable}
+            for name, tensor in [*frozen, *zero.model.named_buffers()]
+            if id(tensor) not in trainable and name not in transient}
+
+
+def _non_persistent_buffers(model: torch.nn.Module) -> set[str]:
+    """The buffers ``load_state_dict`` neither saves nor expects (``register_buffer(..., persistent=False)``: a
+    Hugging Face BERT's ``position_ids``): not in ``state_dict``'s keys. A checkpoint has none of them (DeepSpeed's
+    never had; ds-zero's did before 2026-12) and a load leaves the model's own values."""
+    persistent = set(model.state_dict(keep_vars=True))
+    return {name for name, _ in model.named_buffers() if name not in persistent}
 
 
 def _load_frozen(zero: ZeroOptimizer, loaded: dict[str, Any]) -> None:
@@ -372,7 +382,8 @@ def _module_entries(zero: ZeroOptimizer, meta: dict[str, Any], saved: dict[str, 
     ``strict``, skipped otherwise; a shape that differs always is."""
     mine = _other_entries(zero)
     excluded = {f"module/{name}" for name in meta.get("excluded_frozen", [])}
-    saved_module = {k for k in saved if k.startswith("module/")}
+    transient = {f"module/{_saved_name(zero, name)}" for name in _non_persistent_buffers(zero.model)}
+    saved_module = {k for k in saved if k.startswith("module/") and k not in transient}  # older ds-zero saved them
     missing = sorted(k[7:] for k in mine if k not in saved and k not in excluded) if strict else []
     everyone = parts.others if parts is not None else set(mine)
     extra = sorted(k[7:] for k in saved_module if k not in everyone) if strict else []

@@ -8,6 +8,7 @@
 * `FusedDevice`: a float32 copy beside a 16-bit model, stepped by ``ds_ops.adam_step`` in one pass that also
   writes the 16-bit parameters (`_precision.fused_adam_step`).
 * `HostMaster`: ZeRO-Offload: the copy on the host, stepped by ds-ops' CPU Adam (`_offload.HostOffload`).
+* `ZenFlowMaster`: ZeRO-Offload's copy stepped by ZenFlow at its update boundaries (`_zenflow`).
 * `NvmeMaster`: ZeRO-Infinity: Adam's states (and the copy) in files (`_offload.nvme_step`).
 
 Each takes its tensors explicitly; ``step`` gets the loss scale and the clipping of this step.
@@ -85,6 +86,22 @@ class HostMaster:
                             scale / _coefficient(global_norm, clipping))
 
 
+class ZenFlowMaster:
+    """ZeRO-Offload's CPU copy stepped by ZenFlow at its update boundaries (`_zenflow.ZenFlow.full_step`: at once,
+    or in the background with one update's lag); the model's parameters are uploaded when it wrote them."""
+
+    def __init__(self, zenflow: Any, host: Any, recipe: Any, tensors: list[torch.Tensor], grads: list[torch.Tensor],
+                 copies: list[torch.Tensor] | None):
+        self.zenflow, self.host, self.recipe = zenflow, host, recipe
+        self.tensors, self.grads, self.copies = tensors, grads, copies
+
+    def step(self, optimizer: torch.optim.Optimizer, norm: torch.Tensor, global_norm: float, scale: float,
+             clipping: float) -> None:
+        if self.zenflow.full_step(optimizer, self.recipe, self.tensors, self.grads, self.copies,
+                                  scale / _coefficient(global_norm, clipping)):
+            self.host.upload()
+
+
 class NvmeMaster:
     def __init__(self, host: Any, nvme: Any, recipe: Any, tensors: list[torch.Tensor]):
         self.host, self.nvme, self.recipe, self.tensors = host, nvme, recipe, tensors
@@ -96,12 +113,15 @@ class NvmeMaster:
 
 def master_step(*, recipe: Any, nvme: Any, host: Any, tensors: list[torch.Tensor], grads: list[torch.Tensor],
                 host_grads: list[torch.Tensor], host_copies: list[torch.Tensor] | None,
-                copies: list[torch.Tensor] | None, master_grads: torch.Tensor | None) -> MasterStep:
-    """The part that steps this run's master weights: fused Adam (``recipe``) on NVMe, on the host or on the
-    device; else a float32 copy with widened gradients (``master_grads``), or the parameters in place."""
+                copies: list[torch.Tensor] | None, master_grads: torch.Tensor | None, zenflow: Any = None) -> MasterStep:
+    """The part that steps this run's master weights: fused Adam (``recipe``) on NVMe, by ZenFlow (``zenflow``,
+    on the host), on the host or on the device; else a float32 copy with widened gradients (``master_grads``), or
+    the parameters in place."""
     if recipe is not None:
         if nvme is not None:
             return NvmeMaster(host, nvme, recipe, tensors)
+        if zenflow is not None:
+            return ZenFlowMaster(zenflow, host, recipe, tensors, host_grads, host_copies)
         if host is not None:
             return HostMaster(host, recipe, tensors, host_grads, host_copies)
         return FusedDevice(recipe, tensors, grads, copies)

@@ -12,7 +12,6 @@ _NOT_YET = {
     "zero_quantized_gradients": (False, "ZeRO++ quantized gradients"),
     "mics_shard_size": (-1, "MiCS"),
     "mics_hierarchical_params_gather": (False, "MiCS"),
-    "zenflow": (None, "ZenFlow"),
     "legacy_stage1": (False, "DeepSpeed's legacy stage 1"),
 }
 

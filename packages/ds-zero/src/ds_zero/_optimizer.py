@@ -68,6 +68,7 @@ from ._model import (
     model_device,
     trainable,
     unpartition,
+    version,
 )
 from ._nvme import NvmeOptimizer
 from ._offload import HostOffload, host_places
@@ -91,6 +92,7 @@ from ._scaler import LossScaler
 from ._sharded import ShardedParams
 from ._state import State
 from ._state_access import link_parameters
+from ._zenflow import ZenFlow, master_from_model
 
 logger = logging.getLogger(__name__)
 
@@ -146,8 +148,9 @@ class ZeroOptimizer(State, OffloadStates, EngineCalls):
                  reduce_in_backward: bool = True, param_groups: Any = None,
                  checkpoint_names: dict[str, str] | None = None, model_parallel_group: Any = None,
                  tensor_parallel_rank: int = 0, gradient_averaging_size: int | None = None):
-        policy, self.config, fp16_config = resolve(model, optimizer, config, fp16, bf16, communication_data_type,
-                                                   gradient_clipping, gradient_accumulation_steps, reduce_in_backward)
+        policy, self.config, fp16_config, gradient_accumulation_steps = resolve(
+            model, optimizer, config, fp16, bf16, communication_data_type, gradient_clipping,
+            gradient_accumulation_steps, reduce_in_backward)
         renames = checked_renames(model, checkpoint_names)
         self.policy: ZeroPolicy = policy
         self.precision, self.dtype = policy.precision, policy.dtype
@@ -334,10 +337,17 @@ class ZeroOptimizer(State, OffloadStates, EngineCalls):
         self._grad_views = step_grad_views(self._step_params, self._host_grads if self._host is not None else
                                            self._step_grads, in_master, self._master_grads)
         self._point_step_grads()
+        self._zenflow = None  # `_zenflow`: its gradient hooks run before ZeRO's (which free the gradients)
+        if self.config.zenflow is not None:
+            if self._recipe is None:
+                raise NotImplementedError(f"zero_optimization.zenflow steps Adam or AdamW; {type(self.optimizer).__name__} "
+                                          f"is not implemented with it in ds-zero {version()}")
+            self._zenflow = ZenFlow(self.config.zenflow, params, group_of, group, self.world_size, self.optimizer)
+            self._hooks += self._zenflow.hooks
         self._master_step: MasterStep | None = master_step(
             recipe=self._recipe, nvme=self._nvme, host=self._host, tensors=self._step_params, grads=self._step_grads,
             host_grads=self._host_grads, host_copies=self._host_copies, copies=self._copies,
-            master_grads=self._master_grads)
+            master_grads=self._master_grads, zenflow=self._zenflow)
 
         link_parameters(self)  # each parameter finds its optimizer (ds_zero.safe_get_full_fp32_param & co)
         self._micro_step = 0
@@ -372,6 +382,8 @@ class ZeroOptimizer(State, OffloadStates, EngineCalls):
         counted from the micro-steps, unless `set_gradient_accumulation_boundary` says otherwise."""
         if self._boundary_override is not None:
             return self._boundary_override
+        if self._zenflow is not None:
+            return self._zenflow.is_update_boundary(self._micro_step)
         return (self._micro_step + 1) % self.gradient_accumulation_steps == 0
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
@@ -398,13 +410,23 @@ class ZeroOptimizer(State, OffloadStates, EngineCalls):
             loss = loss / self.gradient_accumulation_steps
         if self.scaler is not None:
             loss = loss.float() * self.scaler.scale
+        if self._zenflow is not None:
+            self._zenflow.before_backward(self._micro_step, lambda: master_from_model(self._host, self._step_params,
+                                                                                      self._host_copies))
         with GradientSlots.running(self):  # another optimizer's hooks firing in it know it is not theirs
             loss.backward(retain_graph=retain_graph)
+        if self._zenflow is not None:
+            self._zenflow.after_backward()
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
         """The wrapped optimizer's parameter groups (a learning-rate schedule sets their ``lr``)."""
         return self.optimizer.param_groups
+
+    @property
+    def state(self) -> Any:
+        """The wrapped optimizer's state (per stepped tensor: Adam's moments...), as DeepSpeed's wrappers give it."""
+        return self.optimizer.state
 
     def step(self) -> bool:
         """At an accumulation boundary: wait for the reductions, check for overflow (fp16), clip,
@@ -413,6 +435,8 @@ class ZeroOptimizer(State, OffloadStates, EngineCalls):
         if self._closed:
             raise RuntimeError("ZeroOptimizer.step: this optimizer was closed")
         boundary = self.is_gradient_accumulation_boundary
+        if self._zenflow is not None:
+            self._zenflow.refresh_options(self.optimizer)
         self._micro_step += 1
         self._last_step_was_boundary = boundary
         if not boundary:
@@ -449,6 +473,8 @@ class ZeroOptimizer(State, OffloadStates, EngineCalls):
         self._master_step.step(self.optimizer, norm, self._global_grad_norm, scale, self.gradient_clipping)
         self._next_reduction()  # (a 1-bit optimizer's step decides whether the next gradients are averaged)
         self._refresh_parameters()
+        if self._zenflow is not None:
+            self._zenflow.after_step()
         return True
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -473,6 +499,8 @@ class ZeroOptimizer(State, OffloadStates, EngineCalls):
         if self._closed:
             return
         self._reducer.close()
+        if self._zenflow is not None:  # its CPU step in flight
+            self._zenflow.close()
         if self._host is not None:
             self._host.forget_downloads()
         for stage3 in (self._stage3, self._frozen.stage3 if self._frozen is not None else None):

@@ -36,6 +36,7 @@ from ._model import param_name, version
 from ._not_built import refuse_what_is_not_built
 from ._precision import BF16_MASTER, DTYPES, communication_dtype
 from ._replicas import refuse_replicas
+from ._zenflow import check_zenflow
 from .config import BF16Config, FP16Config, ZeroConfig, mixed_precision
 
 
@@ -154,9 +155,10 @@ class ZeroPolicy:
 
 def resolve(model: Any, optimizer: Any, config: Any, fp16: Any, bf16: Any, communication_data_type: Any,
             gradient_clipping: Any, gradient_accumulation_steps: Any, reduce_in_backward: bool
-            ) -> tuple[ZeroPolicy, ZeroConfig, FP16Config]:
-    """The policy of a `ZeroOptimizer` built with these arguments, its ``zero_optimization`` section and the
-    fp16 section it trains with; every refusal that needs no more than them (before the model is touched)."""
+            ) -> tuple[ZeroPolicy, ZeroConfig, FP16Config, int]:
+    """The policy of a `ZeroOptimizer` built with these arguments, its ``zero_optimization`` section, the
+    fp16 section it trains with and its gradient accumulation steps (ZenFlow's ``update_interval`` replaces the
+    argument, as in DeepSpeed); every refusal that needs no more than them (before the model is touched)."""
     if not isinstance(model, nn.Module):
         raise ValueError(f"ZeroOptimizer: model must be a torch.nn.Module, got {type(model).__name__}")
     if not callable(optimizer):
@@ -181,6 +183,11 @@ def resolve(model: Any, optimizer: Any, config: Any, fp16: Any, bf16: Any, commu
     dtype = DTYPES[precision]
     comm = communication_dtype(communication_data_type, precision)
     refuse_what_is_not_built(zero_config)
+    if zero_config.zenflow is not None:  # `_zenflow`: DeepSpeed accumulates over update_interval micro-steps
+        _check_zenflow_placement(zero_config.stage, shards, offload_device)
+        check_zenflow(zero_config.zenflow, precision=precision, compute_grad_norm=zero_config.compute_grad_norm,
+                      overlap_comm=bool(zero_config.overlap_comm))
+        gradient_accumulation_steps = int(zero_config.zenflow.update_interval)
     if isinstance(gradient_clipping, bool) or not isinstance(gradient_clipping, (int, float)) \
             or not math.isfinite(gradient_clipping) or gradient_clipping < 0:
         raise ValueError(f"gradient_clipping must be a number >= 0 (0: off), got {gradient_clipping!r}")
@@ -211,7 +218,19 @@ def resolve(model: Any, optimizer: Any, config: Any, fp16: Any, bf16: Any, commu
         auto_cast=bool(fp16_config.auto_cast) and precision == "fp16", reduce_in_backward=bool(reduce_in_backward))
     if isinstance(optimizer, type) and issubclass(optimizer, CompressedOptimizer):
         policy.check_compressed(optimizer.__name__)  # before the model is touched
-    return policy, zero_config, fp16_config
+    return policy, zero_config, fp16_config, gradient_accumulation_steps
+
+
+def _check_zenflow_placement(stage: int, shards: Sharding, offload_device: str) -> None:
+    """Where ZenFlow (``zero_optimization.zenflow``) runs in ds-zero: with ZeRO-Offload's CPU optimizer (it steps
+    the unselected columns there), at stage 2 (gradients sharded, parameters whole); DeepSpeed also runs it at
+    stages 1 and 3. Its section's own refusals are `_zenflow.check_zenflow`'s."""
+    if offload_device != "cpu":
+        raise ValueError(f"zero_optimization.zenflow needs offload_optimizer.device 'cpu' (ZenFlow steps the "
+                         f"unselected columns there), got {offload_device!r}")
+    if not shards.grads or shards.params:
+        raise NotImplementedError(f"zero_optimization.zenflow at stage {stage} is not implemented in ds-zero "
+                                  f"{version()}: use stage 2 (DeepSpeed also runs it at stages 1 and 3)")
 
 
 def _check_bf16_master(precision: str, shards: Sharding, offload_device: str, bf16_states: bool) -> None:

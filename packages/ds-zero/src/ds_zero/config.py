@@ -16,6 +16,8 @@ from typing import Annotated, Any, Literal
 from ds_config import Section
 from pydantic import Field, field_validator, model_validator
 
+from ._zenflow_config import ZenFlowConfig
+
 logger = logging.getLogger(__name__)
 
 SECTION = "zero_optimization"
@@ -186,8 +188,8 @@ class ZeroConfig(Section):
                                                       "momentum in memory.")
     leaf_module: LeafModuleConfig = Field(default_factory=LeafModuleConfig, description="Stage 3: modules "
                                           "fetched as one unit.")
-    zenflow: dict[str, Any] | None = Field(None, description="DeepSpeed's ZenFlow (not implemented: a section "
-                                           "here is refused at use).")
+    zenflow: ZenFlowConfig | None = Field(None, description="DeepSpeed's ZenFlow (stage 2, bf16, "
+                                          "offload_optimizer 'cpu'): see _zenflow_config.")
     zero_hpz_partition_size: NonNegative = Field(1, description="ZeRO++ hierarchical partitioning: ranks per "
                                               "secondary partition (1: off).")
     zero_quantized_weights: bool = Field(False, description="ZeRO++: quantized weight all-gather.")

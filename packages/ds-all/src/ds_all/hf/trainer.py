@@ -49,9 +49,10 @@ from typing import Any
 
 import ds_all
 
+from .._version import DEEPSPEED_API_VERSION
+
 __all__ = ["DEEPSPEED_API_VERSION", "install"]
 
-DEEPSPEED_API_VERSION = "0.19.8"
 """The DeepSpeed release whose API ds follows: the version ``importlib.metadata.version("deepspeed")``
 reports in this process."""
 
@@ -65,7 +66,7 @@ _TOO_LATE = ("transformers.integrations.deepspeed", "transformers.trainer", "acc
 
 def _metadata_text() -> str:
     return (f"Metadata-Version: 2.1\nName: {_ALIAS}\nVersion: {DEEPSPEED_API_VERSION}\n"
-            f"Summary: ds-all {ds_all.__version__} standing in for DeepSpeed {DEEPSPEED_API_VERSION}'s API in this "
+            f"Summary: ds-all {ds_all.__ds_version__} standing in for DeepSpeed {DEEPSPEED_API_VERSION}'s API in this "
             f"process only ({_WHO}); DeepSpeed itself is not installed\n"
             "Author: ds\nLicense: see ds-all\n\n")
 

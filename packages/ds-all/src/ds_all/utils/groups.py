@@ -21,6 +21,7 @@ kind has one rank. The functions need the process group (``ds_all.comm.init_dist
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch.distributed
@@ -28,8 +29,20 @@ import torch.distributed
 import ds_comm
 from ds_moe import groups as _moe_groups
 
+from .. import comm as dist  # DeepSpeed's groups.dist: `_init_tp_mesh_device` calls through it
+from .._utils import log_dist
+
 # the model-parallel unit: set by ds_all.initialize (as DeepSpeed's engine does) or by the script
 mpu: Any = None
+
+# DeepSpeed's tensor-parallel groups, made by `_init_tp_mesh_device`; while the tensor-parallel one is set, the
+# data-, model- and tensor-parallel questions are answered from them instead of the mpu
+_TENSOR_MODEL_PARALLEL_GROUP: Any = None
+_MODEL_PARALLEL_GROUP: Any = None
+_DATA_PARALLEL_GROUP: Any = None
+
+# the message of torch's DeviceMesh when the backend cannot split a process group
+_DEVICE_MESH_SPLIT_UNSUPPORTED = "No backend for the parent process group or its backend does not support splitting"
 
 # set_tensor_model_parallel_world_size / _rank: values that replace the mpu's
 _TENSOR_MODEL_PARALLEL_WORLD_SIZE: int | None = None
@@ -63,20 +76,66 @@ def _group_or_error(group: Any, kind: str, why: str) -> Any:
 
 # ---- data parallel ----
 
+def _init_tp_mesh_device(tensor_model_parallel_size: int = 1, data_parallel_size: int | None = None):
+    """DeepSpeed's: make the data- and tensor-parallel groups of a (data, tensor) mesh over every rank (tensor
+    fastest: tensor-parallel ranks are neighbours) and return ``(data-parallel group, model-parallel group)``;
+    nothing when they exist already. The groups are made with ``dist.new_group`` (data-parallel groups first,
+    then tensor-parallel ones, each in rank order), which gives the layout of DeepSpeed's DeviceMesh with or
+    without ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (where DeepSpeed also uses new_group); they answer
+    `get_data_parallel_group`, `get_model_parallel_group` and `get_tensor_model_parallel_group` from then on."""
+    global _DATA_PARALLEL_GROUP, _MODEL_PARALLEL_GROUP, _TENSOR_MODEL_PARALLEL_GROUP
+    if _TENSOR_MODEL_PARALLEL_GROUP is not None:
+        return None
+    tp = tensor_model_parallel_size
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"_init_tp_mesh_device: tensor_model_parallel_size must be an integer >= 1, got {tp!r}")
+    world = dist.get_world_size()
+    if world % tp:
+        raise ValueError(f"_init_tp_mesh_device: tensor_model_parallel_size {tp} does not divide the world size {world}")
+    dp = world // tp if data_parallel_size is None else data_parallel_size
+    if dp * tp != world:
+        raise ValueError(f"_init_tp_mesh_device: data_parallel_size {dp} × tensor_model_parallel_size {tp} must be the "
+                         f"world size {world}")
+    if os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL":
+        log_dist("TORCH_DISTRIBUTED_DEBUG=DETAIL: the tensor-parallel mesh groups are made with new_group", ranks=[0])
+    rank = dist.get_rank()
+    data_group = tensor_group = None
+    for tensor_rank in range(tp):
+        ranks = list(range(tensor_rank, world, tp))
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            data_group = group
+    for data_rank in range(dp):
+        ranks = list(range(data_rank * tp, (data_rank + 1) * tp))
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            tensor_group = group
+    _DATA_PARALLEL_GROUP, _TENSOR_MODEL_PARALLEL_GROUP = data_group, tensor_group
+    _MODEL_PARALLEL_GROUP = tensor_group
+    return _DATA_PARALLEL_GROUP, _MODEL_PARALLEL_GROUP
+
+
 def get_data_parallel_group():
-    """The group of this rank's data-parallel replicas: the mpu's, else the whole world."""
+    """The group of this rank's data-parallel replicas: `_init_tp_mesh_device`'s, the mpu's, else the whole
+    world."""
+    if _TENSOR_MODEL_PARALLEL_GROUP is not None:
+        return _DATA_PARALLEL_GROUP
     _require("get_data_parallel_group")
     ask = _ask("get_data_parallel_group")
     return ask() if ask is not None else torch.distributed.group.WORLD
 
 
 def get_data_parallel_world_size() -> int:
+    if _TENSOR_MODEL_PARALLEL_GROUP is not None:
+        return dist.get_world_size(_DATA_PARALLEL_GROUP)
     _require("get_data_parallel_world_size")
     ask = _ask("get_data_parallel_world_size")
     return ask() if ask is not None else ds_comm.get_world_size()
 
 
 def get_data_parallel_rank() -> int:
+    if _TENSOR_MODEL_PARALLEL_GROUP is not None:
+        return dist.get_rank(_DATA_PARALLEL_GROUP)
     _require("get_data_parallel_rank")
     ask = _ask("get_data_parallel_rank")
     return ask() if ask is not None else ds_comm.get_rank()
@@ -96,12 +155,16 @@ def _get_data_parallel_group_ranks() -> list[int]:
 
 def get_model_parallel_world_size() -> int:
     """The mpu's model-parallel world size; 1 without an mpu."""
+    if _TENSOR_MODEL_PARALLEL_GROUP is not None:
+        return dist.get_world_size(_MODEL_PARALLEL_GROUP)
     _require("get_model_parallel_world_size")
     ask = _ask("get_model_parallel_world_size")
     return ask() if ask is not None else 1
 
 
 def get_model_parallel_rank() -> int:
+    if _TENSOR_MODEL_PARALLEL_GROUP is not None:
+        return dist.get_rank(_MODEL_PARALLEL_GROUP)
     _require("get_model_parallel_rank")
     ask = _ask("get_model_parallel_rank")
     return ask() if ask is not None else 0
@@ -110,6 +173,8 @@ def get_model_parallel_rank() -> int:
 def get_model_parallel_group():
     """The mpu's model-parallel group. RuntimeError when there is none (no mpu, or a topology without a
     ``model`` axis): a group of this rank alone does not exist, and None would mean the whole world."""
+    if _TENSOR_MODEL_PARALLEL_GROUP is not None:
+        return _MODEL_PARALLEL_GROUP
     _require("get_model_parallel_group")
     ask = _ask("get_model_parallel_group")
     why = "no mpu is registered (model-parallel world size 1)" if mpu is None else \
@@ -138,6 +203,8 @@ def get_tensor_model_parallel_world_size() -> int:
     """The size set by `set_tensor_model_parallel_world_size`, else the mpu's tensor- (or model-) parallel size."""
     if _TENSOR_MODEL_PARALLEL_WORLD_SIZE is not None:
         return _TENSOR_MODEL_PARALLEL_WORLD_SIZE
+    if _TENSOR_MODEL_PARALLEL_GROUP is not None:
+        return dist.get_world_size(_TENSOR_MODEL_PARALLEL_GROUP)
     ask = _ask("get_tensor_model_parallel_world_size")
     return ask() if ask is not None else get_model_parallel_world_size()
 
@@ -145,11 +212,15 @@ def get_tensor_model_parallel_world_size() -> int:
 def get_tensor_model_parallel_rank() -> int:
     if _TENSOR_MODEL_PARALLEL_RANK is not None:
         return _TENSOR_MODEL_PARALLEL_RANK
+    if _TENSOR_MODEL_PARALLEL_GROUP is not None:
+        return dist.get_rank(_TENSOR_MODEL_PARALLEL_GROUP)
     ask = _ask("get_tensor_model_parallel_rank")
     return ask() if ask is not None else get_model_parallel_rank()
 
 
 def get_tensor_model_parallel_group():
+    if _TENSOR_MODEL_PARALLEL_GROUP is not None:
+        return _TENSOR_MODEL_PARALLEL_GROUP
     ask = _ask("get_tensor_model_parallel_group")
     return ask() if ask is not None else get_model_parallel_group()
 

@@ -14,6 +14,8 @@ from .ops import (
     CPUAdamBuilder,
     CPULambBuilder,
     CPULionBuilder,
+    FusedAdamBuilder,
+    FusedLambBuilder,
     OneBitBuilder,
     SparseAttentionBuilder,
 )
@@ -25,6 +27,8 @@ __all__ = [
     "CPUAdamBuilder",
     "CPULambBuilder",
     "CPULionBuilder",
+    "FusedAdamBuilder",
+    "FusedLambBuilder",
     "OneBitBuilder",
     "OpBuildError",
     "OpBuilder",

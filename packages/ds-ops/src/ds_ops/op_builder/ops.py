@@ -71,6 +71,36 @@ class OneBitBuilder(OpBuilder):
         return ["-ffp-contract=off"]
 
 
+class FusedAdamBuilder(CPUAdamBuilder):
+    """DeepSpeed's ``FusedAdamBuilder`` (its name ``fused_adam``). ds's `FusedAdam` runs the ``cpu_adam``
+    kernel on CPU tensors and torch's fused kernel on a device, so this builder is the ``cpu_adam`` op
+    under DeepSpeed's name: it builds, caches and loads that same module."""
+
+    NAME = "fused_adam"
+    DESCRIPTION = "DeepSpeed's name for the kernel of FusedAdam: the cpu_adam module"
+
+    def load(self, verbose: bool = False):
+        return CPUAdamBuilder().load(verbose)
+
+    def is_built(self) -> bool:
+        return CPUAdamBuilder().is_built()
+
+
+class FusedLambBuilder(CPULambBuilder):
+    """DeepSpeed's ``FusedLambBuilder`` (``fused_lamb``): the ``cpu_lamb`` op that ds's `FusedLamb` runs on
+    CPU tensors, under DeepSpeed's name."""
+
+    NAME = "fused_lamb"
+    DESCRIPTION = "DeepSpeed's name for the kernel of FusedLamb: the cpu_lamb module"
+
+    def load(self, verbose: bool = False):
+        return CPULambBuilder().load(verbose)
+
+    def is_built(self) -> bool:
+        return CPULambBuilder().is_built()
+
+
+# The ops ds-report lists and `DS_BUILD_OPS=1` builds (DeepSpeed's names above are the same modules).
 BUILDERS: dict[str, type[OpBuilder]] = {
     b.NAME: b for b in (CPUAdamBuilder, CPUAdagradBuilder, CPULionBuilder, CPULambBuilder, SparseAttentionBuilder,
                         OneBitBuilder)

@@ -1,5 +1,6 @@
 """DeepSpeed's ``deepspeed.elasticity``: the elastic batch-size computation (ds-launch's, standard library
-only), its errors, and the ``elasticity`` section's model."""
+only), its errors, and the ``elasticity`` section's model. ``ds_all.elasticity.config`` is DeepSpeed's
+``deepspeed.elasticity.config`` (where DeepSpeed's scripts and tests find the errors)."""
 
 from ds_launch import (
     ElasticityConfigError,
@@ -8,7 +9,8 @@ from ds_launch import (
     compute_elastic_config,
 )
 
-from ._elasticity import ElasticityConfig, elasticity_enabled
+from .._elasticity import ElasticityConfig, elasticity_enabled
+from . import config  # noqa: F401  (deepspeed.elasticity.config, an attribute as in DeepSpeed)
 
 __all__ = ["ElasticityConfig", "ElasticityConfigError", "ElasticityError", "ElasticityIncompatibleWorldSize",
            "compute_elastic_config", "elasticity_enabled"]

@@ -1,0 +1,8 @@
+"""DeepSpeed's ``deepspeed.autotuning``: the autotuner (ds-autotune's) at DeepSpeed's paths: ``autotuner``
+(``Autotuner(args, active_resources)``), ``scheduler`` (``ResourceManager``) and ``utils``
+(``get_val_by_key``, ``set_val_by_key``)."""
+
+from . import scheduler, utils  # noqa: F401  (submodules, attributes as in DeepSpeed)
+from .autotuner import Autotuner
+
+__all__ = ["Autotuner"]

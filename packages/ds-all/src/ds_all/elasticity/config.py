@@ -1,0 +1,7 @@
+"""DeepSpeed's ``deepspeed.elasticity.config``: the elasticity errors and the section's model."""
+
+from ds_launch import ElasticityConfigError, ElasticityError, ElasticityIncompatibleWorldSize
+
+from .._elasticity import ElasticityConfig
+
+__all__ = ["ElasticityConfig", "ElasticityConfigError", "ElasticityError", "ElasticityIncompatibleWorldSize"]

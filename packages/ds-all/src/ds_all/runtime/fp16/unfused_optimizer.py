@@ -1,0 +1,7 @@
+"""DeepSpeed's ``deepspeed.runtime.fp16.unfused_optimizer``: ``FP16_UnfusedOptimizer``, true of an engine's
+optimizer at stage 0 in fp16 over an optimizer other than a fused Adam (ds-zero's `ZeroOptimizer`; see
+``ds_all._optimizer_kinds``)."""
+
+from ..._optimizer_kinds import FP16_UnfusedOptimizer
+
+__all__ = ["FP16_UnfusedOptimizer"]

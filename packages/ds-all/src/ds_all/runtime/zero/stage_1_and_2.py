@@ -1,0 +1,6 @@
+"""DeepSpeed's ``deepspeed.runtime.zero.stage_1_and_2``: ``DeepSpeedZeroOptimizer``, true of an engine's
+optimizer at ZeRO stage 1 or 2 (ds-zero's `ZeroOptimizer`; see ``ds_all._optimizer_kinds``)."""
+
+from ..._optimizer_kinds import DeepSpeedZeroOptimizer
+
+__all__ = ["DeepSpeedZeroOptimizer"]
