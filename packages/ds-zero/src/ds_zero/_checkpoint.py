@@ -36,7 +36,7 @@ import functools
 import logging
 import threading
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -45,6 +45,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from ._checkpoint_tp import Slice, checkpoint_slices, sharded_slice
+from ._compressed import CompressedOptimizer
 from ._model import param_name
 from ._nvme import STATES
 from ._nvme_checkpoint import NvmeEntries
@@ -85,7 +86,8 @@ def _sharded(local: torch.Tensor | None, start: int, ranges: list[tuple[int, int
 def _names(zero: ZeroOptimizer) -> list[str]:
     """The parameters' names in checkpoints (``checkpoint_names`` where given, else the model's)."""
     names = {id(p): name for name, p in zero.model.named_parameters()}  # one walk (param_name walks per call)
-    return [_saved_name(zero, names[id(p)] if id(p) in names else param_name(zero.model, p)) for p in zero._params]
+    params = [record.param for record in zero.internals.records]
+    return [_saved_name(zero, names[id(p)] if id(p) in names else param_name(zero.model, p)) for p in params]
 
 
 def _saved_name(zero: ZeroOptimizer, name: str) -> str:
@@ -120,7 +122,7 @@ def _parts(zero: ZeroOptimizer, exclude_frozen: bool = False, tp: dict[int, Slic
     subgroup); a tensor-parallel slice (``tp``) by the lowest holding that slice, so every slice is written."""
     world = torch.distributed.get_world_size()
     tp = tp or {}
-    if zero.world_size == world and not zero._replica_groups:
+    if zero.world_size == world and not zero.internals.replica_groups:
         return None
     names = _names(zero)
     keys = [tp[i].rank if i in tp else -1 for i in range(len(names))]
@@ -145,44 +147,25 @@ def _parts(zero: ZeroOptimizer, exclude_frozen: bool = False, tp: dict[int, Slic
 
 def _pieces_by_param(zero: ZeroOptimizer) -> dict[int, list[tuple[int, int, int]]]:
     """For each parameter: the (world rank, start, length) of every rank's piece of it (its flattened form)."""
-    out: dict[int, list[tuple[int, int, int]]] = {i: [] for i in range(len(zero._params))}
+    out: dict[int, list[tuple[int, int, int]]] = {i: [] for i in range(len(zero.internals.records))}
     for rank in range(zero.world_size):
         for piece in zero.layout.pieces(rank):
             out[piece.index].append((_world_rank(zero, rank), piece.param_offset, piece.numel))
     return out
 
 
-def _my_pieces(zero: ZeroOptimizer) -> Iterator[tuple[Any, int, int]]:
-    """This rank's pieces with (where the piece sits in the master copy or flat buffer, where it sits
-    in its bucket's stepped tensor)."""
-    starts = zero._shard_starts
-    for piece in zero.layout.pieces(zero.rank):
-        slot = zero.layout.slots[piece.index]
-        flat = slot.offset + piece.param_offset
-        bucket = zero.layout.buckets[piece.bucket]
-        # the master copy is the flat buffer in float32 (the whole layout below stage 3, the partition at 3)
-        whole_layout = zero.stage == 0 or (zero._master is None and zero.stage < 3)
-        in_master = flat if whole_layout else piece.partition_offset
-        in_step = (flat - bucket.offset) if zero.stage == 0 else piece.partition_offset - starts[piece.bucket]
-        yield piece, in_master, in_step
-
-
-def _master(zero: ZeroOptimizer) -> torch.Tensor:
-    return zero._flat if zero._master is None else zero._master
-
-
 def _master_dtype(zero: ZeroOptimizer) -> torch.dtype:
     """The saved master weights' dtype: float32, or bf16 with bf16 master weights (no float32 copy exists)."""
-    return zero._flat.dtype if zero._bf16_master else torch.float32
+    return zero.internals.flat.dtype if zero.policy.bf16_master else torch.float32
 
 
 def _fresh_state_dtypes(zero: ZeroOptimizer) -> dict[int, torch.dtype]:
     """For each stepped tensor: the dtype its optimizer states are made in before a load writes them (the
     fused step's, from ds-ops' ``state_dtype``; else the tensor's own, as torch's optimizers keep them)."""
-    if zero._recipe is None:
-        return {id(t): t.dtype for t in zero._step_params}
-    return {id(t): zero._recipe.state_dtype(group, t.dtype) for group in zero.optimizer.param_groups
-            for t in group["params"]}
+    recipe = zero.internals.recipe
+    if recipe is None:
+        return {id(t): t.dtype for t in zero.internals.step_tensors}
+    return {id(t): recipe.state_dtype(group, t.dtype) for group in zero.optimizer.param_groups for t in group["params"]}
 
 
 def _tensor_states(zero: ZeroOptimizer) -> tuple[list[str], list[str]]:
@@ -191,10 +174,11 @@ def _tensor_states(zero: ZeroOptimizer) -> tuple[list[str], list[str]]:
     its step count in the optimizer's state."""
     if not zero.optimizer.state:
         return [], []
-    if zero._nvme is not None:
+    if zero.internals.nvme is not None:
         return list(STATES), ["step"]
-    state = zero.optimizer.state[zero._step_params[0]]
-    numel = zero._step_params[0].numel()
+    first = zero.internals.step_tensors[0]
+    state = zero.optimizer.state[first]
+    numel = first.numel()
     sized = sorted(k for k, v in state.items() if torch.is_tensor(v) and v.dim() > 0 and v.numel() == numel)
     scalars = sorted(k for k in state if k not in sized)
     return sized, scalars
@@ -226,17 +210,16 @@ def _piece_entries(zero: ZeroOptimizer, sized: list[str], skip: set[str] = froze
             return _on_host(t, back)
         return t.clone() if copy else t
 
-    names, by_param, master = _names(zero), _pieces_by_param(zero), _master(zero)
-    dtypes = {key: torch.float32 if lazy is not None else zero.optimizer.state[zero._step_params[0]][key].dtype
-              for key in sized}
+    names, by_param, master = _names(zero), _pieces_by_param(zero), zero.internals.master
+    tensors = zero.internals.step_tensors
+    dtypes = {key: torch.float32 if lazy is not None else zero.optimizer.state[tensors[0]][key].dtype for key in sized}
     views: dict[int, tuple[Any, int, torch.Tensor, dict[str, torch.Tensor], dict[str, tuple[str, int]]]] = {}
-    for piece, in_master, in_step in _my_pieces(zero):
-        n, on_disk = piece.numel, {}
+    for record, piece in zero.internals.records.shards():
+        n, on_disk, in_master = piece.numel, {}, piece.in_master
         if lazy is None:
-            run, in_step = zero._step_position(piece.bucket, in_step)
-            state = zero.optimizer.state[zero._step_params[run]]
+            state = zero.optimizer.state[tensors[piece.run]]
             weights = view(master[in_master:in_master + n])
-            states = {key: view(state[key][in_step:in_step + n]) for key in sized}
+            states = {key: view(state[key][piece.in_run:piece.in_run + n]) for key in sized}
         else:  # stage 3: the states' files are indexed by the partition's offsets, as the master copy
             on_disk = {f"optim/{key}": (key, in_master) for key in sized}
             if lazy.master_kind is not None:
@@ -244,7 +227,7 @@ def _piece_entries(zero: ZeroOptimizer, sized: list[str], skip: set[str] = froze
             weights = lazy.placeholder("master", in_master, n) if "master" in on_disk else \
                 view(master[in_master:in_master + n])
             states = {key: lazy.placeholder(key, in_master, n) for key in sized}
-        views[piece.index] = (piece.param_offset, n, weights, states, on_disk)
+        views[record.index] = (piece.param_offset, n, weights, states, on_disk)
     out, rank = {}, _world_rank(zero, zero.rank)
     for index, name in enumerate(names):
         if name in skip:
@@ -269,9 +252,10 @@ def _other_entries(zero: ZeroOptimizer, exclude_frozen: bool = False, values: bo
     """The module's tensors ZeRO does not hold (buffers, frozen parameters), replicated, whole: stage 3's
     partitioned frozen parameters are gathered into copies (a collective; not with ``values=False``,
     where only the names are used)."""
-    trainable = {id(p) for p in zero._params}
+    trainable = {id(record.param) for record in zero.internals.records}
     frozen = [] if exclude_frozen else list(zero.model.named_parameters())
-    whole = zero._frozen.whole() if zero._frozen is not None and frozen and values else {}
+    shards = zero.internals.frozen
+    whole = shards.whole() if shards is not None and frozen and values else {}
     transient = _non_persistent_buffers(zero.model)
     return {f"module/{_saved_name(zero, name)}": whole.get(id(tensor), tensor.detach())
             for name, tensor in [*frozen, *zero.model.named_buffers()]
@@ -288,21 +272,23 @@ def _non_persistent_buffers(model: torch.nn.Module) -> set[str]:
 
 def _load_frozen(zero: ZeroOptimizer, loaded: dict[str, Any]) -> None:
     """Stage 3: the frozen parameters read whole (into copies) go into their partition."""
-    if zero._frozen is None:
+    shards = zero.internals.frozen
+    if shards is None:
         return
     names = {id(p): _saved_name(zero, name) for name, p in zero.model.named_parameters()}
-    zero._frozen.load_whole({id(p): loaded[f"module/{names[id(p)]}"] for p in zero._frozen.params
-                             if f"module/{names[id(p)]}" in loaded})
+    shards.load_whole({id(p): loaded[f"module/{names[id(p)]}"] for p in shards.params
+                       if f"module/{names[id(p)]}" in loaded})
 
 
 def _frozen_names(zero: ZeroOptimizer) -> list[str]:
-    trainable = {id(p) for p in zero._params}
+    trainable = {id(record.param) for record in zero.internals.records}
     return [_saved_name(zero, name) for name, p in zero.model.named_parameters()
             if id(p) not in trainable and not p.requires_grad]
 
 
 def _nvme_entries(zero: ZeroOptimizer) -> NvmeEntries | None:
-    return NvmeEntries(zero._nvme) if zero._nvme is not None else None
+    nvme = zero.internals.nvme
+    return NvmeEntries(nvme) if nvme is not None else None
 
 
 def zero_state(zero: ZeroOptimizer, exclude_frozen_parameters: bool = False,
@@ -313,18 +299,18 @@ def zero_state(zero: ZeroOptimizer, exclude_frozen_parameters: bool = False,
     that training cannot change (what an asynchronous save writes), not views; ``lazy``: ZeRO-Infinity's
     entries (`_nvme_entries`), whose planner reads their bytes from disk (no ``copy`` then); ``tp``: the
     tensor-parallel slices (`checkpoint_slices`)."""
-    if zero._nvme is not None and (lazy is None or copy):
+    if zero.internals.nvme is not None and (lazy is None or copy):
         raise ValueError("zero_state: ZeRO-Infinity's states are read from disk as they are written: pass "
                          "lazy=_nvme_entries(zero) and its save_planner() to dcp.save, and no copy")
     sized, scalars = _tensor_states(zero)
     out: dict[str, Any] = _piece_entries(zero, sized, parts.not_mine if parts is not None else set(), copy, lazy,
                                          tp=tp)
-    first = zero.optimizer.state[zero._step_params[0]] if scalars else {}
+    first = zero.optimizer.state[zero.internals.step_tensors[0]] if scalars else {}
     for key in scalars:
         value = first[key]
         out[f"optim_scalar/{key}"] = value.detach().clone() if torch.is_tensor(value) else torch.tensor(value)
     out.update(_other_entries(zero, exclude_frozen_parameters))
-    if hasattr(zero.optimizer, "rank_state"):  # a 1-bit optimizer's error feedback: this rank's own
+    if isinstance(zero.optimizer, CompressedOptimizer):  # a 1-bit optimizer's error feedback: this rank's own
         out.update({f"rank_state/{zero.rank}/{key}": t for key, t in zero.optimizer.rank_state().items()})
     return {k: (v.clone() if copy and v.device.type == "cpu" else _on_host(v))
             if torch.is_tensor(v) and not isinstance(v, ShardedTensor) else v for k, v in out.items()}
@@ -346,7 +332,7 @@ def zero_metadata(zero: ZeroOptimizer, exclude_frozen_parameters: bool = False,
             "optimizer": type(zero.optimizer).__name__, "param_groups": groups,
             "names": names, "shapes": shapes, "excluded_frozen": excluded, "frozen": frozen,
             "shared_params": _shared_params(zero),
-            "micro_step": zero._micro_step, "skipped_steps": zero.skipped_steps,
+            "micro_step": zero.internals.micro_step, "skipped_steps": zero.skipped_steps,
             "loss_scaler": zero.scaler.state_dict() if zero.scaler is not None else None}
 
 
@@ -414,7 +400,7 @@ def _module_entries(zero: ZeroOptimizer, meta: dict[str, Any], saved: dict[str, 
 def _rank_state_wanted(zero: ZeroOptimizer, meta: dict[str, Any], saved_keys: set[str]) -> dict[str, Any] | None:
     """A 1-bit optimizer's error feedback to read for this rank: what the same rank saved, on the same
     world size; None (it restarts at zero, as DeepSpeed's always does) otherwise."""
-    if not hasattr(zero.optimizer, "rank_state_template"):
+    if not isinstance(zero.optimizer, CompressedOptimizer):
         return None
     if meta["world_size"] != zero.world_size:
         logger.warning("ZeroOptimizer.load: the checkpoint is of %d ranks, this run has %d: %s's error feedback "
@@ -446,23 +432,22 @@ def load_zero_state(zero: ZeroOptimizer, checkpoint_id: Any, meta: dict[str, Any
     saved_keys = set(saved_metadata)
     sized = sorted({k.split("/")[1] for k in saved_keys if k.startswith("optim/")}) if load_optimizer else []
     scalars = sorted(k.split("/", 1)[1] for k in saved_keys if k.startswith("optim_scalar/")) if load_optimizer else []
-    fresh = _fresh_state_dtypes(zero)
-    for tensor in zero._step_params if lazy is None else ():  # states the optimizer has not made yet
+    fresh, internals = _fresh_state_dtypes(zero), zero.internals
+    for tensor in internals.step_tensors if lazy is None else ():  # states the optimizer has not made yet
         state = zero.optimizer.state[tensor]
         for key in sized:
             if key not in state:
                 state[key] = torch.zeros_like(tensor, dtype=fresh[id(tensor)], device=tensor.device)
     wanted: dict[str, Any] = {}
     back: list[tuple[torch.Tensor, torch.Tensor]] = []  # device tensors read through host copies
-    if zero.stage == 0:  # every rank holds everything: whole tensors, read from whichever shards hold them
-        master = _master(zero)
-        for index, name in enumerate(_names(zero)):
-            slot = zero.layout.slots[index]
-            wanted[f"master/{name}"] = master[slot.offset:slot.offset + slot.numel]
-            run, at = zero._step_position(slot.bucket, slot.offset - zero.layout.buckets[slot.bucket].offset)
+    if not zero.policy.shard_optimizer:  # every rank holds everything: whole tensors, read from whichever shards hold them
+        master = internals.master
+        for record, name in zip(internals.records, _names(zero), strict=True):
+            held = record.held  # the whole parameter
+            wanted[f"master/{name}"] = master[held.in_master:held.in_master + held.numel]
             for key in sized:
-                state = zero.optimizer.state[zero._step_params[run]]
-                wanted[f"optim/{key}/{name}"] = state[key][at:at + slot.numel]
+                state = zero.optimizer.state[internals.step_tensors[held.run]]
+                wanted[f"optim/{key}/{name}"] = state[key][held.in_run:held.in_run + held.numel]
         world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
         for index, name in enumerate(_names(zero)):  # a tensor-parallel slice: its runs of the whole
             for key in (f"master/{name}", *(f"optim/{s}/{name}" for s in sized)) if index in tp else ():
@@ -487,25 +472,20 @@ def load_zero_state(zero: ZeroOptimizer, checkpoint_id: Any, meta: dict[str, Any
         target.copy_(host)
     _load_frozen(zero, wanted)
     for key, value in scalar_values.items():
-        for tensor in zero._step_params:
+        for tensor in internals.step_tensors:
             zero.optimizer.state[tensor][key] = value.clone()
-    if load_optimizer and hasattr(zero.optimizer, "load_rank_state"):
+    if load_optimizer and isinstance(zero.optimizer, CompressedOptimizer):
         zero.optimizer.load_rank_state(rank_state)
     if load_optimizer:
         for group, saved in zip(zero.optimizer.param_groups, meta["param_groups"], strict=False):
             group.update({k: (tuple(v) if isinstance(group.get(k), tuple) else v) for k, v in saved.items()
                           if k not in GROUPING_MARKS})  # the loading run's grouping stays its own
-        zero._micro_step = int(meta["micro_step"])
+        internals.micro_step = int(meta["micro_step"])
         zero.skipped_steps = int(meta["skipped_steps"])
         if zero.scaler is not None and meta.get("loss_scaler") is not None:
             zero.scaler.load_state_dict(meta["loss_scaler"])
-        zero._next_reduction()  # a 1-bit optimizer's loaded step decides whether the next gradients are averaged
-    if zero._master is not None:
-        for copy, tensor in zip(zero._copies, zero._step_params, strict=True):
-            copy.copy_(tensor.detach())
-    if zero._nvme is not None and zero._nvme.master:  # 16-bit parameters from the master copy on disk
-        zero._nvme.params_from_master(zero._flat if zero._nvme.param_dtype is None else None)
-    zero._refresh_parameters()
+        internals.next_reduction()  # a 1-bit optimizer's loaded step decides whether the next gradients are averaged
+    internals.master_loaded()  # the 16-bit parameters follow, on every rank
 
 
 META_FILE = "zero_meta.json"

@@ -126,10 +126,11 @@ def sharded_slice(local: torch.Tensor | None, start: int, piece: Slice, dtype: t
 def checkpoint_slices(zero: Any, group: Any, on_nvme: bool) -> dict[int, Slice]:
     """The tensor-parallel slices among ``zero``'s parameters (none without a group of several ranks);
     what this module does not build is refused by name."""
-    tp = tensor_parallel_slices(zero._params, group)
+    params = [record.param for record in zero.internals.records]
+    tp = tensor_parallel_slices(params, group)
     if not tp and _group_rank_size(group)[1] == 1:
         return tp
-    trainable = {id(p) for p in zero._params}
+    trainable = {id(p) for p in params}
     frozen = [name for name, p in zero.model.named_parameters()
               if id(p) not in trainable and getattr(p, "tensor_model_parallel", False)]
     if frozen:

@@ -6,7 +6,7 @@ parameters lie in the flat tensor (ZeRO's padding kept at zero), and the state t
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -17,6 +17,26 @@ logger = logging.getLogger(__name__)
 # DeepSpeed's communication backends for these optimizers; ds-zero sends through ds-comm's process group
 # whatever the name says (the message is 1-bit either way), so every one is accepted.
 COMM_BACKENDS = ("nccl", "mpi", "hccl", "compressed", "gloo")
+
+
+@runtime_checkable
+class CompressedOptimizer(Protocol):
+    """What `ZeroOptimizer` and its checkpoint ask of a 1-bit optimizer (`ds_zero.onebit`): it decides per step
+    whether ZeRO averages the gradients (DeepSpeed's enable_backward_allreduce), reduces over ZeRO's group
+    itself, learns where the parameters lie in its flat tensors, and keeps per-rank error feedback that
+    checkpoints carry."""
+
+    def wants_averaged_gradients(self) -> bool: ...
+
+    def bind(self, group: Any, *, caller_reduces: bool) -> None: ...
+
+    def set_segments(self, index: int, segments: list[tuple[int, int]]) -> None: ...
+
+    def rank_state(self) -> dict[str, torch.Tensor]: ...
+
+    def rank_state_template(self) -> dict[str, torch.Tensor]: ...
+
+    def load_rank_state(self, state: dict[str, torch.Tensor] | None) -> None: ...
 
 
 def _positive_int(owner: str, name: str, value: Any, minimum: int = 1) -> int:

@@ -41,6 +41,8 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.futures import Future
 
+from ._policy import sharding
+
 logger = logging.getLogger(__name__)
 
 
@@ -340,14 +342,14 @@ def _module_tensors(model_files: list[dict[str, Any]], out: DeepSpeedState) -> d
     fragments = first.get("frozen_param_fragments") or {}
     for name, shape in frozen_shapes.items():
         numel = math.prod(shape)
-        if name in fragments and len(model_files) > 1 and out.stage == 3:
+        if name in fragments and len(model_files) > 1 and sharding(out.stage).params:
             whole = torch.cat([f["frozen_param_fragments"][name].reshape(-1) for f in model_files])
             tensors[name] = whole[:numel].reshape(list(shape)).clone()
         elif name in fragments and fragments[name].numel() == numel:
             tensors[name] = fragments[name].reshape(list(shape))
         elif name in module and module[name].numel() == numel:
             tensors[name] = module[name]
-    if out.stage < 3 and first.get("param_shapes") is not None:  # frozen ones not listed (stage 1): the rest
+    if not sharding(out.stage).params and first.get("param_shapes") is not None:  # frozen ones not listed (stage 1): the rest
         trainable = {n for g in first["param_shapes"] for n in g}
         for name, tensor in module.items():
             if name not in trainable and name not in tensors and name not in out.shared:
@@ -389,7 +391,7 @@ def read_deepspeed_checkpoint(path: Any) -> DeepSpeedState:
         out.stage = _stage(optim[0]["zero_stage"]) if "zero_stage" in optim[0] else \
             (3 if "fp32_flat_groups" in optim[0] else 1)  # BF16_Optimizer's files name no stage
         out.module = _module_tensors(model_files, out)
-        if out.stage == 3:
+        if sharding(out.stage).params:
             _stage3(optim, shapes, out)
         else:
             _stage12(optim, shapes, out)

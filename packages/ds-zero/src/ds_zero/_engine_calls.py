@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import gc
 
+from ._filling import fill_master, refuse_with_nvme
+
 
 class EngineCalls:
     """See the module docstring."""
@@ -42,7 +44,7 @@ class EngineCalls:
         if not self.reduce_in_backward and steps != 1:
             raise ValueError("ZeroOptimizer: reduce_in_backward=False means the caller accumulates the micro-steps "
                              f"(a pipeline stage); gradient_accumulation_steps must stay 1, got {steps}")
-        if not self._last_step_was_boundary or self._accumulated or self._fired:
+        if not self._last_step_was_boundary or self._reducer.accumulated or self._reducer.fired:
             raise RuntimeError("ZeroOptimizer.set_gradient_accumulation_steps: an accumulation is under way (micro-"
                                "steps since the last boundary); change it after the boundary's step()")
         self.gradient_accumulation_steps = steps
@@ -53,9 +55,10 @@ class EngineCalls:
         something wrote them directly (``model.load_state_dict``): otherwise the next step would put the
         master copy's values back. Nothing to do in float32 (the parameters are the master copy) or at
         stage 3 (`GatheredParameters` with a ``modifier_rank`` updates it)."""
-        self._refuse_with_nvme("refresh_fp32_params")
-        if self._master is not None and self.stage < 3:
-            self._fill_master(self._params)
+        refuse_with_nvme(self._nvme, "refresh_fp32_params")
+        if self._master is not None and not self.policy.shard_params:
+            fill_master(self._master, self._params, self.layout, self.rank, sharded=self.policy.shard_optimizer,
+                        dtype=self.dtype)
 
     def empty_partition_cache(self) -> None:
         """Stage 3: release every gathered parameter not persistent or in use, and the pooled gather

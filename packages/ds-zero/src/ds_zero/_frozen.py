@@ -4,7 +4,7 @@ partitions them.
 ZeRO steps only the trainable parameters; at stages 0-2 a frozen parameter stays whole on every rank
 (as in DeepSpeed, which keeps it out of its flat groups). At stage 3 DeepSpeed partitions every
 parameter, frozen or not; so does `FrozenShards`: the frozen parameters get a flat partition of their
-own, laid out and filled as `ZeroInference` lays out a model without an optimizer (one unit per module
+own, laid out and filled by `ShardedParams` as `ZeroInference`'s model without an optimizer (one unit per module
 that owns frozen parameters, each rank keeping one shard of each), and a `Stage3` of their own gathers
 a module's frozen units around its forward (and backward, where autograd needs them) and releases them
 after, on the model's device as the trainable ones (the partition on the host with ``offload_param``). Nothing here has gradients: the units are never reduced, only gathered.
@@ -22,19 +22,15 @@ from typing import Any
 import torch
 from torch import nn
 
-import ds_comm
-
-from ._inference import ZeroInference
-from ._layout import FlatLayout
-from ._model import full_shape
-from ._stage3 import Stage3, plan_units
-from ._stage3_offload import partition_buffer
+from ._sharded import ShardedParams
+from ._stage3 import Stage3
 
 
-def partitioned_frozen(model: nn.Module, stage: int, dtype: torch.dtype, managed: set[int]) -> list[nn.Parameter]:
-    """The parameters stage 3 partitions besides the trainable ones: every frozen floating-point
-    parameter of the training dtype (after the 16-bit cast); none below stage 3."""
-    if stage < 3:
+def partitioned_frozen(model: nn.Module, partitioned: bool, dtype: torch.dtype,
+                       managed: set[int]) -> list[nn.Parameter]:
+    """The parameters stage 3 partitions (``partitioned``) besides the trainable ones: every frozen
+    floating-point parameter of the training dtype (after the 16-bit cast); none below stage 3."""
+    if not partitioned:
         return []
     seen: set[int] = set()
     out = []
@@ -63,17 +59,17 @@ class _FrozenStage3(Stage3):
     peer: Stage3 | None = None
     _last_backward: int | None = None
 
-    def _pack(self, tensor: torch.Tensor) -> Any:
-        saved = super()._pack(tensor)
+    def pack_saved(self, tensor: torch.Tensor) -> Any:
+        saved = super().pack_saved(tensor)
         if saved is tensor and self.peer is not None:
-            other = self.peer._pack(tensor)
+            other = self.peer.pack_saved(tensor)
             return tensor if other is tensor else _PeerSaved(other)
         return saved
 
-    def _unpack(self, saved: Any) -> torch.Tensor:
+    def unpack_saved(self, saved: Any) -> torch.Tensor:
         if isinstance(saved, _PeerSaved):
-            return self.peer._unpack(saved.inner)
-        return super()._unpack(saved)
+            return self.peer.unpack_saved(saved.inner)
+        return super().unpack_saved(saved)
 
     def _backward_request(self, unit) -> None:
         last = self._last_backward
@@ -94,45 +90,21 @@ class FrozenShards:
                  peer: Stage3):
         self.params, self.group, self.dtype = params, group, dtype
         self.device = peer.device  # the model's (the partition: there, or on the host with offload_param)
-        self.world_size, self.rank = ds_comm.get_world_size(group), ds_comm.get_rank(group)
-        units, hooked = plan_units(model, params, config.leaf_module)
-        self.layout = FlatLayout([full_shape(p) for p in params], world_size=self.world_size, bucket_size=1,
-                                 groups=[members for _, members in units])
-        starts = self.layout.partition_offsets()
-        self._partition = partition_buffer(self.layout.shard_numel, dtype, self.device, config)
-        ZeroInference._fill(self, params, starts)  # (whole or built under Init: this rank's shards, then released)
-        self.stage3 = _FrozenStage3(model, params, self.layout, [name for name, _ in units], hooked,
-                                    self._partition, starts, config, group, lambda *_: None)
+        self._sharded = ShardedParams(model, params, config=config, group=group, dtype=dtype, device=self.device)
+        self.world_size, self.rank, self.layout = self._sharded.world_size, self._sharded.rank, self._sharded.layout
+        self._partition = self._sharded.partition
+        self._sharded.fill()  # (whole or built under Init: this rank's shards, then released)
+        self.stage3 = self._sharded.attach(stage3_class=_FrozenStage3)
         self.stage3.peer = peer
-        for unit in self.stage3.units:  # DeepSpeed's flag, as for the trainable units
-            for p in unit.params:
-                p.ds_persist = unit.persistent
 
     def whole(self) -> dict[int, torch.Tensor]:
         """Every frozen parameter's whole value, a copy (a collective: one unit gathered at a time)."""
-        out: dict[int, torch.Tensor] = {}
-        for unit in self.stage3.units:
-            self.stage3.hold(unit)
-            out.update({id(p): p.detach().clone() for p in unit.params})
-            self.stage3.unhold(unit, None)
-        return out
+        return self._sharded.whole()
 
     def load_whole(self, values: dict[int, torch.Tensor]) -> None:
         """Set frozen parameters from whole values (``{id(parameter): value}``, the same on every rank):
         this rank's shards are written, and units gathered now take the new values."""
-        starts = self.stage3.shard_starts
-        for unit in self.stage3.units:
-            lo = unit.bucket.offset + self.rank * unit.bucket.shard
-            shard = self._partition[starts[unit.index]:starts[unit.index] + unit.bucket.shard]
-            for p, shape, offset in zip(unit.params, unit.shapes, unit.offsets, strict=True):
-                if id(p) not in values:
-                    continue
-                flat = values[id(p)].reshape(-1)
-                start = unit.bucket.offset + offset
-                a, b = max(lo, start), min(lo + unit.bucket.shard, start + shape.numel())
-                if a < b:
-                    shard[a - lo:b - lo].copy_(flat[a - start:b - start])
-        self.stage3.after_step()
+        self._sharded.load_whole(values)
 
     def nbytes(self) -> int:
         return self._partition.numel() * self._partition.element_size() + self.stage3.held_bytes()

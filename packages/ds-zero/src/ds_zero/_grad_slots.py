@@ -24,12 +24,15 @@ trains but got a gradient (a ``Parameter`` replaced after ZeRO took the model).
 from __future__ import annotations
 
 import logging
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import nn
 
 from ._model import param_name
+
+if TYPE_CHECKING:
+    from ._policy import ZeroPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -47,9 +50,11 @@ class GradientSlots:
     """The link between each trained parameter's ``.grad`` and ZeRO's buffers (see the module docstring).
     ``grads``: the flat gradient buffer of stages 0-1 (None at stages 2-3)."""
 
-    def __init__(self, model: nn.Module, params: list[nn.Parameter], layout: _Layout, stage: int,
+    def __init__(self, model: nn.Module, params: list[nn.Parameter], layout: _Layout, policy: ZeroPolicy,
                  grads: torch.Tensor | None):
-        self.model, self.params, self.stage = model, params, stage
+        self.model, self.params, self.stage = model, params, policy.stage  # (stage: for messages)
+        self._whole_grads = policy.whole_grads  # stages 0-1: every .grad a view of ``grads``
+        self._stage1 = policy.reduces_whole_accumulation
         self.views: list[torch.Tensor] = []
         if grads is not None:
             self.views = [grads[slot.offset:slot.offset + slot.numel].view(p.shape)
@@ -129,13 +134,13 @@ class GradientSlots:
 
     def boundary_landed(self) -> None:
         """Stage 1: the boundary's reductions landed; later in-place changes to ``.grad`` would be lost."""
-        if self.stage == 1:
+        if self._stage1:
             self._version = self._grads._version
 
     # ------------------------------------------------------------------------------ at the step
     def check_at_step(self) -> None:
         """Before the optimizer steps (the reductions landed): refuse what the step would not honour."""
-        if self.stage < 2:
+        if self._whole_grads:
             self._check_views()
         else:
             for index, param in enumerate(self.params):
@@ -170,7 +175,7 @@ class GradientSlots:
                                    "requires_grad=False before ZeRO is built to keep it fixed", self._name(index))
                 param.grad = view  # no gradient since the step: zeros, as the buffer holds
                 continue
-            if self.stage == 1:
+            if self._stage1:
                 raise RuntimeError(self._stage1_change(index, "replaced"))
             self.sync([index])  # stage 0: the buffer holds the averaged gradients; the user's tensor replaces them
         if self._version is not None and self._grads._version != self._version:

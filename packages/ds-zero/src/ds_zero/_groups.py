@@ -46,15 +46,15 @@ def option_groups(param_groups: Any, model: nn.Module, params: list[nn.Parameter
     return group_of, options  # type: ignore[return-value]
 
 
-def step_runs(layout: FlatLayout, stage: int, rank: int, group_of: list[int]) -> list[tuple[int, int, int, int]]:
-    """The tensors the optimizer steps: each bucket's range this rank steps (the whole bucket at stage 0,
-    the rank's shard above), split where the parameters' group changes; (bucket, offset in the range,
+def step_runs(layout: FlatLayout, sharded: bool, rank: int, group_of: list[int]) -> list[tuple[int, int, int, int]]:
+    """The tensors the optimizer steps: each bucket's range this rank steps (the whole bucket without
+    ``sharded`` optimizer states, stage 0; the rank's shard with them), split where the parameters' group changes; (bucket, offset in the range,
     length, group). Padding belongs to the run before it (a range of padding only, to the bucket's last
     parameter's group)."""
     runs = []
     for bucket in layout.buckets:
-        start = bucket.offset if stage == 0 else layout.shard_range(bucket, rank)[0]
-        length = bucket.padded if stage == 0 else bucket.shard
+        start = layout.shard_range(bucket, rank)[0] if sharded else bucket.offset
+        length = bucket.shard if sharded else bucket.padded
         cuts: list[list[int]] = []  # [offset, group]
         for index in bucket.slots:
             slot = layout.slots[index]
@@ -69,3 +69,19 @@ def step_runs(layout: FlatLayout, stage: int, rank: int, group_of: list[int]) ->
         ends = [at for at, _ in cuts[1:]] + [length]
         runs += [(bucket.index, at, end - at, group) for (at, group), end in zip(cuts, ends, strict=True)]
     return runs
+
+
+def mask_padding(optimizer: Any, tensors: list[torch.Tensor], owned: list[tuple[int, int]], layout: FlatLayout) -> None:
+    """Tell a 1-bit optimizer where the parameters lie in each group's flat tensor (its runs, in order:
+    ``tensors``, each at ``owned``'s offset in the flat buffer): the buckets' padding stays zero (compressed, it
+    would not), and 1-bit LAMB takes its trust ratios per parameter."""
+    where = {id(t): at for t, (at, _) in zip(tensors, owned, strict=True)}
+    slots = sorted(layout.slots, key=lambda slot: slot.offset)
+    for index, group in enumerate(optimizer.param_groups):
+        segments, base = [], 0
+        for t in group["params"]:  # a run holds whole parameters at stage 0
+            start, end = where[id(t)], where[id(t)] + t.numel()
+            segments += [(base + slot.offset - start, slot.numel) for slot in slots if start <= slot.offset < end]
+            base += t.numel()
+        if group["params"]:
+            optimizer.set_segments(index, segments)

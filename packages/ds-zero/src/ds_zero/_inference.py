@@ -17,22 +17,17 @@ from torch import nn
 
 import ds_comm
 
-from ._layout import FlatLayout
 from ._model import (
     broadcast_from_first_rank,
     check_same_model,
-    forget_init_partition,
-    full_shape,
-    gather_init_partitioned,
-    is_init_partitioned,
     param_name,
     version,
 )
 from ._not_built import refuse_what_is_not_built
+from ._policy import require_partitioned_params
 from ._precision import DTYPES, cast_floating_inputs
-from ._stage3 import Stage3, plan_units
-from ._stage3_offload import partition_buffer
-from ._state import State
+from ._sharded import ShardedParams, full_state_dict
+from ._stage3 import Stage3
 from .config import BF16Config, FP16Config, ZeroConfig, mixed_precision
 
 
@@ -59,9 +54,7 @@ class ZeroInference:
         if not isinstance(model, nn.Module):
             raise ValueError(f"ZeroInference: model must be a torch.nn.Module, got {type(model).__name__}")
         self.config = ZeroConfig.from_section_or_ds_config(config)
-        if self.config.stage != 3:
-            raise ValueError(f"ZeroInference partitions parameters at zero_optimization.stage 3, got stage "
-                             f"{self.config.stage} (stages 0-2 keep every parameter whole: run the model as it is)")
+        require_partitioned_params(self.config, "ZeroInference")
         refuse_what_is_not_built(self.config)
         fp16_config = FP16Config.from_section_or_ds_config(fp16)
         precision = mixed_precision(fp16_config, BF16Config.from_section_or_ds_config(bf16))
@@ -97,35 +90,18 @@ class ZeroInference:
         self.dtype = dtypes.pop()
         check_same_model(model, params, group, self.world_size, self.device)
         broadcast_from_first_rank(model, group)
-        units, hooked = plan_units(model, params, self.config.leaf_module)
-        self.layout = FlatLayout([full_shape(p) for p in params], world_size=self.world_size, bucket_size=1,
-                                 groups=[members for _, members in units])
-        starts = self.layout.partition_offsets()
-        self._partition = partition_buffer(self.layout.shard_numel, self.dtype, self.device, self.config)
-        self._fill(params, starts)
-        self._stage3: Stage3 | None = Stage3(model, params, self.layout, [name for name, _ in units], hooked,
-                                             self._partition, starts, self.config, group, lambda *_: None)
+        sharded = ShardedParams(model, params, config=self.config, group=group, dtype=self.dtype, device=self.device)
+        self.layout, self._partition = sharded.layout, sharded.partition
+        sharded.fill()  # (whole or built under Init: this rank's shards, then released)
+        self._stage3: Stage3 | None = sharded.attach()
         self._hooks = []
         if precision == "fp16" and fp16_config.auto_cast:
             self._hooks.append(model.register_forward_pre_hook(cast_floating_inputs(self.dtype), with_kwargs=True))
 
-    def _fill(self, params: list[nn.Parameter], starts: list[int]) -> None:
-        """This rank's shard of every unit into the partition, one unit whole at a time (parameters
-        built under `Init` gathered from their shards for it); each parameter is released after."""
-        for bucket, start in zip(self.layout.buckets, starts, strict=True):
-            lo, hi = bucket.offset + self.rank * bucket.shard, bucket.offset + (self.rank + 1) * bucket.shard
-            shard = self._partition[start:start + bucket.shard]
-            for index in bucket.slots:
-                slot, p = self.layout.slots[index], params[index]
-                whole = gather_init_partitioned(p, self.group) if is_init_partitioned(p) else p.detach()
-                a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
-                if a < b:
-                    shard[a - lo:b - lo].copy_(whole.reshape(-1)[a - slot.offset:b - slot.offset])
-            for index in bucket.slots:  # released: an empty tensor on the model's device
-                params[index].data = torch.empty(0, dtype=self.dtype, device=self.device)
-                forget_init_partition(params[index])
-
-    full_state_dict = State.full_state_dict  # the model's state_dict, every parameter whole (a collective)
+    def full_state_dict(self, *, rank0_only: bool = True) -> dict[str, torch.Tensor]:
+        """The model's ``state_dict()`` with every parameter whole, as copies (a collective: every rank calls
+        it). With ``rank0_only`` the other ranks get ``{}`` and hold no copy."""
+        return full_state_dict(self.model, [self._stage3], keep=not rank0_only or self.rank == 0)
 
     def empty_partition_cache(self) -> None:
         """Release every gathered parameter not persistent or in use, and the pooled gather buffers."""

@@ -93,11 +93,15 @@ class HostOffload:
     def adam_step(self, optimizer: torch.optim.Optimizer, recipe: Any, masters: list[torch.Tensor],
                   grads: list[torch.Tensor], copies: list[torch.Tensor] | None, grad_scale: float) -> None:
         """The CPU Adam over the host tensors, then the new parameters up to the device."""
-        wait_copies([self._uploaded])  # the last step's parameter copies have read ``params``
+        self.wait_uploaded()
         if self.mirror:
             self.download_params()
         fused_adam_step(optimizer, recipe, masters, grads, copies if self.writes_params else None, grad_scale)
         self.upload()
+
+    def wait_uploaded(self) -> None:
+        """Wait for the last step's parameter copies to the device (they read ``params``)."""
+        wait_copies([self._uploaded])
 
     def download_params(self) -> None:
         """This rank's parameter shards from the device into ``params`` (where the flat buffer is the master
@@ -114,28 +118,29 @@ class HostOffload:
         self._uploaded = record_event(self.device)
 
 
-def host_places(layout: Any, stage: int, shard_starts: list[int]) -> list[tuple[int, int]]:
+def host_places(layout: Any, sharded: bool, shard_starts: list[int]) -> list[tuple[int, int]]:
     """Per bucket, where its stepped part lies in the host buffers (and the master copy): the whole
-    bucket in the whole layout at stage 0, this rank's shard in its partition above."""
-    if stage == 0:
+    bucket in the whole layout without ``sharded`` optimizer states (stage 0), this rank's shard in its
+    partition with them."""
+    if not sharded:
         return [(b.offset, b.padded) for b in layout.buckets]
     return [(at, b.shard) for b, at in zip(layout.buckets, shard_starts, strict=True)]
 
 
-def nvme_step(zero: Any, grad_scale: float) -> None:
+def nvme_step(optimizer: torch.optim.Optimizer, tensors: list[torch.Tensor], host: HostOffload, nvme: Any,
+              recipe: Any, grad_scale: float) -> None:
     """ZeRO-Infinity's step: Adam over the partition with its states on NVMe, fed from the host buffers
     (the gradients copied down; the parameters written into ``params`` and copied up, or on NVMe too);
     the step count lives in the optimizer's state as torch keeps it (schedulers and state_dict see it)."""
-    host, nvme = zero._host, zero._nvme
-    group = zero.optimizer.param_groups[0]
-    state = zero.optimizer.state[zero._step_params[0]]
+    group = optimizer.param_groups[0]
+    state = optimizer.state[tensors[0]]
     step = int(float(state.get("step", 0))) + 1
-    for tensor in zero._step_params:
-        zero.optimizer.state[tensor]["step"] = torch.tensor(float(step))
+    for tensor in tensors:
+        optimizer.state[tensor]["step"] = torch.tensor(float(step))
     on_disk = nvme.param_dtype is not None  # the parameters are read and written on NVMe
     if not on_disk and not nvme.master:
         host.download_params()  # float32: the partition is the master copy
-    wait_copies([host._uploaded])
-    nvme.step(None if on_disk else host.params, host.grads, step, zero._recipe.hyperparameters(group), grad_scale)
+    host.wait_uploaded()
+    nvme.step(None if on_disk else host.params, host.grads, step, recipe.hyperparameters(group), grad_scale)
     if not on_disk:
         host.upload()

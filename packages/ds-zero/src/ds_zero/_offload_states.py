@@ -154,13 +154,13 @@ class OffloadStates:
                                "(zero_optimization.offload_param); moving states is not supported with it (as in "
                                "DeepSpeed)")
         # reductions still in flight (between micro-steps at stages 2-3) finish first: they write the states
-        self._finish_in_flight()
+        self._reducer.finish_in_flight()
 
     def _movable_states(self) -> list[OffloadStateTypeEnum]:
         states = list(OffloadStateTypeEnum)
         if self.offload:  # the master copy and the optimizer step on the host (or NVMe) by design
             states = [s for s in states if s not in (OffloadStateTypeEnum.hp_params, OffloadStateTypeEnum.optim_states)]
-            if self.stage == 3:
+            if self.policy.shard_params:
                 states.remove(OffloadStateTypeEnum.lp_grads)
         return states
 
@@ -173,7 +173,7 @@ class OffloadStates:
         elif state == OffloadStateTypeEnum.lp_grads:
             roots = [self._grads, self._partition, self._master_grads]
         elif state == OffloadStateTypeEnum.contiguous_grad_buffer:
-            roots = [*self._bucket_buffers, *self._received]
+            roots = [*self._reducer.bucket_buffers, *self._reducer.received]
         else:
             roots = [value for per_tensor in self.optimizer.state.values() for key, value in per_tensor.items()
                      if torch.is_tensor(value) and key != "step"]

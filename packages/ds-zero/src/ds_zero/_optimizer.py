@@ -49,13 +49,16 @@ from torch import nn
 
 import ds_comm
 
+from ._collectives import gather_buckets, grad_norm
+from ._compressed import CompressedOptimizer
 from ._engine_calls import EngineCalls
-from ._filling import Filling
+from ._filling import check_optimizer, fill_master, shard_modified
 from ._frozen import FrozenShards, partitioned_frozen
 from ._grad_slots import GradientSlots
-from ._groups import option_groups, step_runs
-from ._half import implied_precision
+from ._groups import mask_padding, option_groups, step_runs
+from ._internals import ZeroInternals
 from ._layout import FlatLayout
+from ._master import MasterStep, master_step, step_grad_views
 from ._model import (
     broadcast_from_first_rank,
     check_same_model,
@@ -63,25 +66,21 @@ from ._model import (
     full_shape,
     is_init_partitioned,
     model_device,
-    param_name,
     trainable,
     unpartition,
     version,
 )
-from ._not_built import refuse_what_is_not_built
 from ._nvme import NvmeOptimizer
-from ._offload import HostOffload, host_places, nvme_step
+from ._offload import HostOffload, host_places
 from ._offload_states import OffloadStates
+from ._policy import ZeroPolicy, resolve
 from ._precision import (
-    DTYPES,
     adam_recipe,
     cast_floating_inputs,
-    check_bf16_master,
     check_bf16_master_optimizer,
-    communication_dtype,
-    fused_adam_step,
 )
-from ._reduction import Reduction
+from ._records import build_records
+from ._reduction import GradientReducer
 from ._replicas import (
     check_and_broadcast,
     check_model_parallel,
@@ -90,12 +89,10 @@ from ._replicas import (
     split_process_groups,
 )
 from ._scaler import LossScaler
-from ._stage3 import Stage3, plan_units
-from ._stage3_offload import partition_buffer
+from ._sharded import ShardedParams
 from ._state import State
 from ._state_access import link_parameters
-from ._zenflow import ZenFlow, check_zenflow, master_from_model
-from .config import BF16Config, FP16Config, ZeroConfig, mixed_precision
+from ._zenflow import ZenFlow, master_from_model
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +102,7 @@ logger = logging.getLogger(__name__)
 # keep stage 2's bucket buffers small; measured on the engine workload, see the README.
 OVERLAP_BUCKET_ELEMENTS = 1 << 22
 
-class ZeroOptimizer(Reduction, State, OffloadStates, EngineCalls, Filling):
+class ZeroOptimizer(State, OffloadStates, EngineCalls):
     """ZeRO stages 0-3 for ``model`` with ``optimizer`` (a class or a callable taking the list of
     tensors to optimize), in a plain loop::
 
@@ -151,134 +148,84 @@ class ZeroOptimizer(Reduction, State, OffloadStates, EngineCalls, Filling):
                  reduce_in_backward: bool = True, param_groups: Any = None,
                  checkpoint_names: dict[str, str] | None = None, model_parallel_group: Any = None,
                  tensor_parallel_rank: int = 0, gradient_averaging_size: int | None = None):
-        if not isinstance(model, nn.Module):
-            raise ValueError(f"ZeroOptimizer: model must be a torch.nn.Module, got {type(model).__name__}")
-        if not callable(optimizer):
-            raise ValueError(f"ZeroOptimizer: optimizer must be an optimizer class or a callable, got {optimizer!r}")
+        policy, self.config, fp16_config, gradient_accumulation_steps = resolve(
+            model, optimizer, config, fp16, bf16, communication_data_type, gradient_clipping,
+            gradient_accumulation_steps, reduce_in_backward)
         renames = checked_renames(model, checkpoint_names)
-        self.config = ZeroConfig.from_section_or_ds_config(config)
-        fp16_config = FP16Config.from_section_or_ds_config(fp16)
-        bf16_config = BF16Config.from_section_or_ds_config(bf16)
-        # a 16-bit model without either section: DeepSpeed's arithmetic for it (_half); stage 0 steps it directly
-        fp16_config, bf16_config, communication_data_type, implied = implied_precision(
-            model, fp16_config, bf16_config, communication_data_type)
-        direct = implied and self.config.stage == 0
-        self.precision = mixed_precision(fp16_config, bf16_config)
-        # bf16 gradients with inf/NaN skip the step, as DeepSpeed's check_grad_overflow does (fp16: the scaler)
-        self._check_overflow = self.precision == "bf16" and bf16_config.check_grad_overflow
-        # bf16 master weights and gradients: no float32 copy, the optimizer steps the bf16 partition
-        self._bf16_master = bool(bf16_config.bf16_master_weights_and_grads)
-        self._bf16_optimizer_states = bool(bf16_config.bf16_optimizer_states)
-        if self._bf16_master:
-            offload_to = self.config.offload_optimizer.device if self.config.offload_optimizer is not None else "none"
-            check_bf16_master(self.precision, self.config.stage, offload_to, self._bf16_optimizer_states)
-        self._bf16_master = self._bf16_master or direct  # no master copy: the 16-bit parameters are stepped
-        if self.precision == "fp16" and fp16_config.fp16_master_weights_and_grads:
-            raise NotImplementedError("fp16.fp16_master_weights_and_grads is not implemented in ds-zero "
-                                      f"{version()}: the master copy is float32; remove the key")
-        self.dtype = DTYPES[self.precision]
-        self.communication_data_type = communication_dtype(communication_data_type, self.precision)
-        refuse_what_is_not_built(self.config)
-        if self.config.zenflow is not None:  # `_zenflow`: DeepSpeed accumulates over update_interval micro-steps
-            check_zenflow(self.config.zenflow, stage=self.config.stage, precision=self.precision,
-                          offload_device=getattr(self.config.offload_optimizer, "device", "none"),
-                          compute_grad_norm=self.config.compute_grad_norm, overlap_comm=bool(self.config.overlap_comm))
-            gradient_accumulation_steps = int(self.config.zenflow.update_interval)
-        if isinstance(gradient_clipping, bool) or not isinstance(gradient_clipping, (int, float)) \
-                or not math.isfinite(gradient_clipping) or gradient_clipping < 0:
-            raise ValueError(f"gradient_clipping must be a number >= 0 (0: off), got {gradient_clipping!r}")
-        if isinstance(gradient_accumulation_steps, bool) or not isinstance(gradient_accumulation_steps, int) \
-                or gradient_accumulation_steps < 1:
-            raise ValueError(f"gradient_accumulation_steps must be an integer >= 1, got {gradient_accumulation_steps!r}")
-        if not reduce_in_backward and gradient_accumulation_steps != 1:
-            raise ValueError("ZeroOptimizer: reduce_in_backward=False means the caller accumulates the micro-steps and "
-                             "calls reduce_gradients() once per step; gradient_accumulation_steps must be 1, got "
-                             f"{gradient_accumulation_steps}")
-        if not reduce_in_backward and self.config.stage == 3:
-            raise ValueError("ZeroOptimizer: reduce_in_backward=False is for stages 0-2 (a pipeline stage's optimizer); "
-                             "stage 3 gathers and releases parameters in the backward's hooks")
-        self.reduce_in_backward = bool(reduce_in_backward)
-        if isinstance(optimizer, type) and hasattr(optimizer, "wants_averaged_gradients"):
-            self._check_compressed(optimizer.__name__)  # before the model is touched
+        self.policy: ZeroPolicy = policy
+        self.precision, self.dtype = policy.precision, policy.dtype
+        self.communication_data_type = policy.communication_dtype
+        self._check_overflow = policy.check_overflow  # bf16: inf/NaN gradients skip the step (check_grad_overflow)
+        self._bf16_master = policy.bf16_master  # no float32 copy: the optimizer steps the 16-bit partition
+        self._bf16_optimizer_states = policy.bf16_optimizer_states
+        self.reduce_in_backward = policy.reduce_in_backward
         params = trainable(model)
         group_of, group_options = option_groups(param_groups, model, params)
         if None in group_of:  # in no group: not optimized, held as a frozen parameter is
             params = [p for p, g in zip(params, group_of, strict=True) if g is not None]
             group_of = [g for g in group_of if g is not None]
         group_options, process_groups = split_process_groups(group_options)  # `_replicas`
-        for p in params:
-            if hasattr(p, "_ds_stage3"):
-                raise ValueError(f"ZeroOptimizer: parameter {param_name(model, p)} is managed by another stage-3 "
-                                 "ZeroOptimizer; close() that one first")
-            if p.dtype not in (torch.float32, self.dtype):
-                raise ValueError(f"ZeroOptimizer: parameter {param_name(model, p)} is {p.dtype}; {self.precision} "
-                                 f"training takes float32{'' if self.dtype == torch.float32 else f' or {self.dtype}'} "
-                                 "parameters")
+        policy.check_params(model, params)
         self.device = model_device(model, params)  # every buffer below is made there
         if not ds_comm.is_initialized():
             raise RuntimeError("ZeroOptimizer: the process group is not initialised; call ds_comm.init_distributed() first")
         self.model, self.group, self._params = model, group, params
         self.checkpoint_names = renames
-        self.stage = self.config.stage
-        offload_device = self.config.offload_optimizer.device if self.config.offload_optimizer is not None else "none"
-        self.offload = offload_device in ("cpu", "nvme")  # the optimizer steps on the CPU (ds_ops' Adam)
-        if offload_device == "nvme" and group_options is not None and len(group_options) > 1:
-            raise NotImplementedError("ZeroOptimizer: offload_optimizer.device 'nvme' steps one set of Adam options "
-                                      f"in ds-zero {version()}; got {len(group_options)} parameter groups: use one "
-                                      "group, or offload to 'cpu'")
+        offload_device = policy.offload_device
+        self.offload = policy.offload  # the optimizer steps on the CPU (ds_ops' Adam)
+        policy.check_param_groups(group_options)
         self._nvme = None  # NvmeOptimizer: Adam's states (and the master copy) on NVMe
         self.gradient_clipping, self.model_parallel_group = float(gradient_clipping), model_parallel_group
         self.gradient_accumulation_steps = gradient_accumulation_steps
         self.world_size, self.rank = ds_comm.get_world_size(group), ds_comm.get_rank(group)
         self.tensor_parallel_rank, self.gradient_averaging_size = check_model_parallel(
             tensor_parallel_rank, gradient_averaging_size, model_parallel_group, self.world_size)
-        self.scaler = LossScaler(fp16_config) if self.precision == "fp16" and not direct else None
+        self.scaler = LossScaler(fp16_config) if policy.loss_scaling else None
         self.skipped_steps = 0
         # parameters replicated over a subgroup of ``group`` (a param group's process_group): `_replicas`
         holders, self._replica_groups = replica_holders(process_groups, group_of, group)
         if self._replica_groups:
-            if self.stage == 3:  # (and so ZeRO-Infinity, offload_optimizer.device 'nvme', which needs stage 3)
-                refuse_replicas("zero_optimization.stage 3")
+            policy.check_replicas(refuse_replicas)
             check_and_broadcast(model, params, holders, self._replica_groups, group, self.world_size, self.device)
         else:
             check_same_model(model, params, group, self.world_size, self.device)
             broadcast_from_first_rank(model, group)
         managed = {id(p) for p in params}
         for p in model.parameters():  # built under Init: whole again, but stage 3's trainable and frozen ones
-            if is_init_partitioned(p) and (self.config.stage < 3 or (id(p) not in managed and p.requires_grad)):
+            if is_init_partitioned(p) and (not policy.shard_params or (id(p) not in managed and p.requires_grad)):
                 unpartition(p)
 
         bucket_size = min(self.config.reduce_bucket_size, OVERLAP_BUCKET_ELEMENTS)
-        shapes = [full_shape(p) for p in params]
-        units = hooked = None
-        params_on_nvme = self.config.offload_param is not None and self.config.offload_param.device == "nvme"
-        if self.stage == 3:  # one bucket per fetch unit (a module's parameters)
-            units, hooked = plan_units(model, params, self.config.leaf_module)
-            # parameters on NVMe: every shard starts on a 4 KiB boundary of the file (O_DIRECT reads)
-            align = 4096 // self.dtype.itemsize if params_on_nvme else 1
-            self.layout = FlatLayout(shapes, world_size=self.world_size, bucket_size=bucket_size,
-                                     groups=[members for _, members in units], align=align)
+        params_on_nvme = policy.params_on_nvme
+        self._sharded: ShardedParams | None = None
+        if policy.shard_params:  # one bucket per fetch unit (a module's parameters), the flat buffer a partition
+            # parameters on NVMe: every shard starts on a 4 KiB boundary of the file (O_DIRECT reads), and the
+            # partition is never touched, so never in RAM (its storage is dropped below)
+            self._sharded = ShardedParams(model, params, config=self.config, group=group, dtype=self.dtype,
+                                          device=self.device, bucket_size=bucket_size,
+                                          align=4096 // self.dtype.itemsize if params_on_nvme else 1,
+                                          stepped_on_host=self.offload, on_disk=params_on_nvme)
+            self.layout = self._sharded.layout
         else:
-            self.layout = FlatLayout(shapes, world_size=self.world_size, bucket_size=bucket_size, holders=holders)
+            self.layout = FlatLayout([full_shape(p) for p in params], world_size=self.world_size,
+                                     bucket_size=bucket_size, holders=holders)
         layout = self.layout
         self._bucket_groups = [self._replica_groups.get(b.ranks, group) for b in layout.buckets]  # reduced over
         self._shard_starts = layout.partition_offsets()
-        if self.stage == 3:  # the flat buffer is this rank's partition: ranges below are in it
+        if policy.shard_params:  # the flat buffer is this rank's partition: ranges below are in it
             self._owned = [(at, b.shard) for b, at in zip(layout.buckets, self._shard_starts, strict=True)]
         else:
-            self._owned = [self._shard(b) if self.stage > 0 else (b.offset, b.padded) for b in layout.buckets]
-        # parameters on NVMe: never touched, so never in RAM (its storage is dropped below)
-        self._flat = torch.zeros(layout.numel, dtype=self.dtype, device=self.device) if self.stage < 3 else \
-            partition_buffer(layout.shard_numel, self.dtype, self.device, self.config, stepped_on_host=self.offload,
-                             on_disk=params_on_nvme)
+            self._owned = [layout.shard_range(b, self.rank) if policy.shard_optimizer else (b.offset, b.padded) for b in layout.buckets]
+        self._flat = self._sharded.partition if self._sharded is not None else \
+            torch.zeros(layout.numel, dtype=self.dtype, device=self.device)
         self._master = None  # a float32 master copy of what this rank steps, when the model is 16-bit
         self._hooks: list[Any] = []  # removed by close()
         # NVMe: the master copy is on disk; bf16 master weights: the bf16 partition is; ZeRO-Offload: on the host,
         # float32 for a float32 model too (bf16 master weights: the host mirrors the partition), see _offload
         self._host: HostOffload | None = None
-        master_numel = layout.numel if self.stage == 0 else layout.shard_numel
+        master_numel = layout.shard_numel if policy.shard_optimizer else layout.numel
         if self.offload:
-            self._host = HostOffload(self.device, master_numel, host_places(layout, self.stage, self._shard_starts),
+            self._host = HostOffload(self.device, master_numel, host_places(layout, policy.shard_optimizer, self._shard_starts),
                                      dtype=self.dtype, master_dtype=None if offload_device == "nvme" else
                                      self.dtype if self._bf16_master else torch.float32, mirror=self._bf16_master)
             self._master = None if self._bf16_master else self._host.master
@@ -291,50 +238,47 @@ class ZeroOptimizer(Reduction, State, OffloadStates, EngineCalls, Filling):
                                        rank=self.rank, pipeline_read=nvme.pipeline_read,
                                        pipeline_write=nvme.pipeline_write,
                                        param_dtype=self.dtype if params_on_nvme else None)
-        if self.stage == 3:
-            self._fill_partitions(params)
+        if self._sharded is not None:  # this rank's shards (and master copy), the parameters released
+            self._sharded.fill(master=self._master, clear_grads=True, on_disk=self._nvme.write_params
+                               if self._nvme is not None and self._nvme.param_dtype is not None else None)
         else:
             if self._master is not None:
-                self._fill_master(params)
+                fill_master(self._master, params, layout, self.rank, sharded=policy.shard_optimizer, dtype=self.dtype)
             for p, slot in zip(params, layout.slots, strict=True):
                 view = self._flat[slot.offset:slot.offset + slot.numel].view(p.shape)
                 view.copy_(p.detach())
                 p.data = view
                 p.grad = None
-        if self.dtype != torch.float32 and not implied:  # the rest of the model (frozen parameters, buffers) too
+        if policy.cast_model:  # the rest of the model (frozen parameters, buffers) too
             for tensor in [*model.parameters(), *model.buffers()]:
                 if tensor.is_floating_point() and tensor.dtype != self.dtype and not hasattr(tensor, "ds_init_store"):
                     tensor.data = tensor.data.to(self.dtype)
-            if fp16_config.auto_cast and self.precision == "fp16":
+            if policy.auto_cast:
                 self._hooks.append(model.register_forward_pre_hook(cast_floating_inputs(self.dtype), with_kwargs=True))
-        self._bucket_of = {id(p): slot.bucket for p, slot in zip(params, layout.slots, strict=True)}
-        self._stage3 = None
-        if self.stage == 3:
-            self._stage3 = Stage3(model, params, layout, [name for name, _ in units], hooked, self._flat,
-                                  self._shard_starts, self.config, group, self._shard_modified,
-                                  shards=self._nvme if params_on_nvme else None)
-            for unit in self._stage3.units:  # DeepSpeed's flag: whole on every rank throughout training
-                for p in unit.params:
-                    p.ds_persist = unit.persistent
-        frozen = partitioned_frozen(model, self.stage, self.dtype, managed)  # stage 3: partitioned too (_frozen)
+        self._stage3 = None if self._sharded is None else self._sharded.attach(  # (the master as it is then)
+            on_modified=lambda b, v: shard_modified(self._master, self._nvme, self._shard_starts, b, v),
+            shards=self._nvme if params_on_nvme else None)
+        frozen = partitioned_frozen(model, policy.shard_params, self.dtype, managed)  # stage 3: partitioned too (_frozen)
         self._frozen = FrozenShards(model, frozen, self.config, group, self.dtype, self._stage3) if frozen else None
         # the optimizer steps one tensor per run: a bucket's stepped range, split where the option group
         # changes (one run per bucket without param_groups); (bucket, offset in the range, length, group)
-        self._runs = step_runs(layout, self.stage, self.rank, group_of)
+        self._runs = step_runs(layout, policy.shard_optimizer, self.rank, group_of)
         self._group_of, self._group_count = group_of, len(group_options) if group_options is not None else 1
-        self._run_starts = [[] for _ in layout.buckets]  # per bucket: (offset, run index), ascending
-        for i, (b, at, _, _) in enumerate(self._runs):
-            self._run_starts[b].append((at, i))
+        # where each parameter's pieces live (the master copy is laid out as the partition when it is one)
+        self._records = build_records(layout, params, self.rank, sharded=policy.shard_optimizer,
+                                      master_in_partition=policy.shard_optimizer and (
+                                          self._master is not None or policy.shard_params),
+                                      shard_starts=self._shard_starts, runs=self._runs, groups=self._bucket_groups)
         # where each bucket's stepped part lives in the master copy (the flat buffer itself in float32)
-        if self._master is None or self.stage == 0:
+        if self._master is None or not policy.shard_optimizer:
             in_master = self._owned
         else:
             in_master = [(at, b.shard) for b, at in zip(layout.buckets, self._shard_starts, strict=True)]
         # stages 0-1: every .grad a view of one flat buffer, which backward accumulates into (`_grad_slots`)
-        self._grads = torch.zeros(layout.numel, dtype=self.dtype, device=self.device) if self.stage < 2 else None
-        self._slots = GradientSlots(model, params, layout, self.stage, self._grads)
+        self._grads = torch.zeros(layout.numel, dtype=self.dtype, device=self.device) if policy.whole_grads else None
+        self._slots = GradientSlots(model, params, layout, policy, self._grads)
         self._partition = None
-        if self.stage == 0:
+        if not policy.shard_optimizer:
             self._shard_grads = [self._grads[start:start + length] for start, length in self._owned]
         else:  # stage 1 too: each reduction averages the whole local accumulation into the partition anew
             self._partition = torch.zeros(layout.shard_numel, dtype=self.dtype, device=self.device)
@@ -347,7 +291,13 @@ class ZeroOptimizer(Reduction, State, OffloadStates, EngineCalls, Filling):
         in_master = [(in_master[b][0] + at, n) for b, at, n, _ in self._runs]
         on_host = [(self._host.places[b][0] + at, n) for b, at, n, _ in self._runs] if self._host is not None else []
         self._owned = [(self._owned[b][0] + at, n) for b, at, n, _ in self._runs]
-        self._make_reduction_buffers()
+        self._reducer = GradientReducer(
+            owner=self, model=model, layout=layout, policy=policy, params=params, grads=self._grads,
+            shard_grads=self._shard_grads, slots=self._slots, groups=self._bucket_groups,
+            averaging_size=self.gradient_averaging_size, accumulation_steps=gradient_accumulation_steps,
+            device=self.device, ignore_unused=self.config.ignore_unused_parameters,
+            is_boundary=lambda: self.is_gradient_accumulation_boundary, trained_stage3=self._stage3,
+            frozen_stage3=self._frozen.stage3 if self._frozen is not None else None, host=self._host)
         self._pieces = layout.pieces(self.rank)  # for the gradient norm at stages 1-2
         master = self._flat if self._master is None else self._master
         stepped = in_master
@@ -360,24 +310,18 @@ class ZeroOptimizer(Reduction, State, OffloadStates, EngineCalls, Filling):
             self.optimizer = optimizer([{**options, "params": [t for t, run in zip(self._step_params, self._runs,
                                                                                    strict=True) if run[3] == g]}
                                         for g, options in enumerate(group_options)], **(optimizer_kwargs or {}))
-        self._check_optimizer()
+        check_optimizer(self.optimizer, self.offload)
         if self._bf16_master:
             check_bf16_master_optimizer(self.optimizer, self.offload, self._bf16_optimizer_states)
         # a 1-bit optimizer (ds_zero.onebit) averages what it needs itself: ZeRO reduces only on the steps it
         # asks for (DeepSpeed's enable_backward_allreduce) and leaves the gradients local otherwise
-        self._compressed = callable(getattr(self.optimizer, "wants_averaged_gradients", None))
+        self._compressed = isinstance(self.optimizer, CompressedOptimizer)
         if self._compressed:
-            if self.gradient_averaging_size != self.world_size:
-                raise NotImplementedError(f"ZeroOptimizer: a 1-bit optimizer ({type(self.optimizer).__name__}) with "
-                                          f"gradient_averaging_size {self.gradient_averaging_size} (not the group's "
-                                          f"{self.world_size} ranks: sequence parallelism) is not implemented in "
-                                          f"ds-zero {version()}")
-            if self._replica_groups:
-                refuse_replicas(f"a 1-bit optimizer ({type(self.optimizer).__name__})")
-            self._check_compressed(type(self.optimizer).__name__)
+            policy.check_compressed(type(self.optimizer).__name__, averaging_size=self.gradient_averaging_size,
+                                    world_size=self.world_size, replicated=bool(self._replica_groups))
             self.optimizer.bind(group, caller_reduces=True)
-            self._mask_padding()
-        self._average_now = not self._compressed or self.optimizer.wants_averaged_gradients()
+            mask_padding(self.optimizer, self._step_params, self._owned, layout)
+        self._next_reduction()
         if self._nvme is not None:  # the parameters on NVMe are in their file already
             self._nvme.initialize(None if params_on_nvme else self._flat)
             if params_on_nvme:
@@ -390,26 +334,9 @@ class ZeroOptimizer(Reduction, State, OffloadStates, EngineCalls, Filling):
             self._master_grads = torch.zeros_like(self._master, device=self._master.device)
         # ZeRO-Offload: the CPU Adam reads the gradients copied to the host, writes the new parameters there
         self._host_grads, self._host_copies = self._host.views(on_host) if self._host is not None else ([], None)
-        self._in_master = in_master
+        self._grad_views = step_grad_views(self._step_params, self._host_grads if self._host is not None else
+                                           self._step_grads, in_master, self._master_grads)
         self._point_step_grads()
-
-        self._index_of = {id(p): i for i, p in enumerate(params)}
-        link_parameters(self)  # each parameter finds its optimizer (ds_zero.safe_get_full_fp32_param & co)
-        self._ready = [0] * len(layout.buckets)
-        self._fired: set[int] = set()  # parameters whose gradient arrived in this backward
-        self._reduced = [False] * len(layout.buckets)  # buckets reduced in this backward
-        self._work: list[tuple[Any, Callable | None]] = []  # reductions in flight without a staging buffer
-        self._micro_step = 0
-        self._boundary_override: bool | None = None  # set_gradient_accumulation_boundary's, None: counted
-        self._last_step_was_boundary = True  # zero_grad zeroes only after a boundary's step
-        self._accumulated = False  # a backward since the last boundary's step (stages 2-3: in the partition)
-        self._offloaded: dict[str, dict[int, torch.device]] = {}  # offload_states: state -> root -> its device
-        self._callback_queued = False
-        self._foreign_pass = False  # the backward now running is another optimizer's (stages 2-3: held)
-        self._boundary_reduced = False  # the boundary's backward reduced every bucket
-        self._global_grad_norm: float | None = None
-        self.reduction_wait_s = 0.0  # seconds step() has waited for reductions (the engine's "allreduce" timer)
-        self._closed = False
         self._zenflow = None  # `_zenflow`: its gradient hooks run before ZeRO's (which free the gradients)
         if self.config.zenflow is not None:
             if self._recipe is None:
@@ -417,18 +344,36 @@ class ZeroOptimizer(Reduction, State, OffloadStates, EngineCalls, Filling):
                                           f"is not implemented with it in ds-zero {version()}")
             self._zenflow = ZenFlow(self.config.zenflow, params, group_of, group, self.world_size, self.optimizer)
             self._hooks += self._zenflow.hooks
+        self._master_step: MasterStep | None = master_step(
+            recipe=self._recipe, nvme=self._nvme, host=self._host, tensors=self._step_params, grads=self._step_grads,
+            host_grads=self._host_grads, host_copies=self._host_copies, copies=self._copies,
+            master_grads=self._master_grads, zenflow=self._zenflow)
+
+        link_parameters(self)  # each parameter finds its optimizer (ds_zero.safe_get_full_fp32_param & co)
+        self._micro_step = 0
+        self._boundary_override: bool | None = None  # set_gradient_accumulation_boundary's, None: counted
+        self._last_step_was_boundary = True  # zero_grad zeroes only after a boundary's step
+        self._offloaded: dict[str, dict[int, torch.device]] = {}  # offload_states: state -> root -> its device
+        self._global_grad_norm: float | None = None
+        self._closed = False
         if self.reduce_in_backward:
-            self._hooks += [p.register_post_accumulate_grad_hook(self._on_gradient) for p in params]
+            self._hooks += [p.register_post_accumulate_grad_hook(self._reducer.on_gradient) for p in params]
 
     def _point_step_grads(self) -> None:
         """Each tensor the optimizer steps has its gradient slice as ``.grad`` (again: the client optimizer's
         ``zero_grad()`` sets them to None, as DeepSpeed's ZeRO points them again at every step)."""
-        grads = self._host_grads if self._host is not None else self._step_grads
-        for tensor, grad, (at, n) in zip(self._step_params, grads, self._in_master, strict=True):
-            if self._master_grads is not None:
-                tensor.grad = self._master_grads[at:at + n]
-            elif grad.dtype == tensor.dtype and grad.device == tensor.device:
-                tensor.grad = grad  # (a float32 master's fused step reads 16-bit gradients where they are)
+        for tensor, grad in self._grad_views:
+            tensor.grad = grad
+
+    @property
+    def internals(self) -> ZeroInternals:
+        """What this optimizer keeps to itself, for ds-zero's checkpoint and state access (`ZeroInternals`)."""
+        return _Internals(self)
+
+    @property
+    def stage(self) -> int:
+        """The ZeRO stage (``zero_optimization.stage``); what it means is `policy` (a `ZeroPolicy`)."""
+        return self.policy.stage
 
     # ------------------------------------------------------------------------------------- loop API
     @property
@@ -497,15 +442,19 @@ class ZeroOptimizer(Reduction, State, OffloadStates, EngineCalls, Filling):
         if not boundary:
             return False
         waited = time.perf_counter()
-        self._wait_reductions()
+        self._reducer.wait_for_step()
         self._slots.check_at_step()  # what the step would not honour is refused by name (`_grad_slots`)
-        self._accumulated = False  # the next backward starts the next accumulation
+        self._reducer.accumulated = False  # the next backward starts the next accumulation
         if self._host is not None:  # ZeRO-Offload: every gradient shard on the host
             self._host.finish_downloads()
-        self.reduction_wait_s += time.perf_counter() - waited
+        self._reducer.wait_s += time.perf_counter() - waited
         self._point_step_grads()
         scale = self.loss_scale
-        norm = self._grad_norm()  # the same value on every rank
+        norm = grad_norm(  # the same value on every rank
+            self._params, sharded=self.policy.shard_optimizer, layout=self.layout, rank=self.rank, pieces=self._pieces,
+            shard_grads=self._shard_grads, shard_starts=self._shard_starts, replicated=bool(self._replica_groups),
+            group=self.group, model_parallel_group=self.model_parallel_group,
+            tensor_parallel_rank=self.tensor_parallel_rank, dtype=self.dtype, device=self.device)
         if self.scaler is not None:
             if not math.isfinite(float(norm)):
                 before = self.scaler.scale
@@ -521,38 +470,8 @@ class ZeroOptimizer(Reduction, State, OffloadStates, EngineCalls, Filling):
             logger.warning("bf16: a gradient is inf or NaN, step skipped (bf16.check_grad_overflow)")
             return False
         self._global_grad_norm = float(norm) / scale
-        if self._recipe is not None:
-            coefficient = 1.0
-            if self.gradient_clipping > 0:
-                coefficient = min(1.0, self.gradient_clipping / (self._global_grad_norm + 1e-6))
-            if self._nvme is not None:
-                nvme_step(self, scale / coefficient)
-            elif self._zenflow is not None:
-                if self._zenflow.full_step(self.optimizer, self._recipe, self._step_params, self._host_grads,
-                                           self._host_copies, scale / coefficient):
-                    self._host.upload()
-            elif self._host is not None:
-                self._host.adam_step(self.optimizer, self._recipe, self._step_params, self._host_grads,
-                                     self._host_copies, scale / coefficient)
-            else:
-                fused_adam_step(self.optimizer, self._recipe, self._step_params, self._step_grads,
-                                self._copies, scale / coefficient)
-        elif self._master_grads is not None:
-            multiplier = 1.0 / scale
-            if self.gradient_clipping > 0:
-                multiplier *= min(1.0, self.gradient_clipping / (self._global_grad_norm + 1e-6))
-            for tensor, grad in zip(self._step_params, self._step_grads, strict=True):
-                tensor.grad.copy_(grad).mul_(multiplier)  # widened first, then scaled in float32
-            self.optimizer.step()
-            self._next_reduction()
-            for copy, tensor in zip(self._copies, self._step_params, strict=True):
-                copy.copy_(tensor.detach())
-        else:
-            if self.gradient_clipping > 0:  # torch.nn.utils.clip_grad_norm_'s arithmetic, in float32
-                coefficient = (self.gradient_clipping / (norm + 1e-6)).clamp(max=1.0)
-                torch._foreach_mul_([t.grad for t in self._step_params], coefficient)
-            self.optimizer.step()
-            self._next_reduction()
+        self._master_step.step(self.optimizer, norm, self._global_grad_norm, scale, self.gradient_clipping)
+        self._next_reduction()  # (a 1-bit optimizer's step decides whether the next gradients are averaged)
         self._refresh_parameters()
         if self._zenflow is not None:
             self._zenflow.after_step()
@@ -569,7 +488,7 @@ class ZeroOptimizer(Reduction, State, OffloadStates, EngineCalls, Filling):
             self._slots.point_at_views()  # a cleared or replaced .grad: its (zeroed) view again
         if self._partition is not None:
             self._partition.zero_()
-        if self.stage >= 2:
+        if self.policy.shard_grads:
             for p in self._params:
                 p.grad = None
 
@@ -579,10 +498,9 @@ class ZeroOptimizer(Reduction, State, OffloadStates, EngineCalls, Filling):
         model keeps its current parameters and trains no further through this optimizer."""
         if self._closed:
             return
-        self._wait_reductions_quietly()
+        self._reducer.close()
         if self._zenflow is not None:  # its CPU step in flight
             self._zenflow.close()
-        self._work, self._buffer_work = [], []
         if self._host is not None:
             self._host.forget_downloads()
         for stage3 in (self._stage3, self._frozen.stage3 if self._frozen is not None else None):
@@ -600,11 +518,105 @@ class ZeroOptimizer(Reduction, State, OffloadStates, EngineCalls, Filling):
             tensor.grad = None
         self.optimizer.state.clear()
         self._grads = self._partition = self._master = self._master_grads = None
-        self._bucket_buffers, self._received, self._step_grads, self._copies = [], [], [], None
+        self._step_grads, self._copies = [], None
         self._shard_grads, self._host_grads, self._host_copies, self._host = [], [], None, None
+        self._master_step, self._grad_views = None, []
         self._closed = True
 
     def get_global_grad_norm(self) -> float | None:
         """The L2 norm of the whole (reduced, unscaled, unclipped) gradient at the last step; None
         before one and after a skipped (overflowed) step."""
         return self._global_grad_norm
+
+    # ------------------------------------------------------------------------------------ reduction
+    def wait_reductions(self) -> None:
+        """Complete the gradient reductions backward has issued (they run in its hooks; `step` waits for
+        them anyway): DeepSpeed's ``engine.allreduce_gradients()`` after backward."""
+        self._reducer.finish_in_flight()
+
+    def reduce_gradients(self) -> None:
+        """Start the reduction of every bucket from the gradients in ``.grad`` (with
+        ``reduce_in_backward=False``: the caller's backward passes are done); `step` waits for it. A
+        parameter without a gradient counts as zeros."""
+        if self.reduce_in_backward:
+            raise RuntimeError("ZeroOptimizer.reduce_gradients: this optimizer reduces in its backward hooks; build it "
+                               "with reduce_in_backward=False to reduce by hand")
+        self._reducer.reduce_all()
+
+    @property
+    def reduction_wait_s(self) -> float:
+        """Seconds spent waiting for gradient reductions (the engine's "allreduce" timer)."""
+        return self._reducer.wait_s
+
+    _bucket_buffers = property(lambda self: self._reducer.bucket_buffers)  # (read by tests)
+    _received = property(lambda self: self._reducer.received)
+
+    def _refresh_parameters(self) -> None:
+        """After the stepped part changed: every rank's shards into the parameters (stages 1-2), or
+        into the units gathered now (stage 3: the others are gathered when used)."""
+        if self._stage3 is not None:
+            self._stage3.after_step()
+        elif self.policy.shard_optimizer:
+            gather_buckets(self._flat, self.layout.buckets, self._bucket_groups)
+
+    def _next_reduction(self) -> None:  # whether the next accumulation is averaged (a 1-bit optimizer decides)
+        if self._compressed:
+            self._reducer.average_now = self.optimizer.wants_averaged_gradients()
+
+
+class _Internals:
+    """`ZeroInternals` over one `ZeroOptimizer` (a view: it reads the optimizer's current parts)."""
+
+    __slots__ = ("_zero",)
+
+    def __init__(self, zero: ZeroOptimizer):
+        self._zero = zero
+
+    records = property(lambda self: self._zero._records)
+    step_tensors = property(lambda self: self._zero._step_params)
+    flat = property(lambda self: self._zero._flat)
+    nvme = property(lambda self: self._zero._nvme)
+    host = property(lambda self: self._zero._host)
+    frozen = property(lambda self: self._zero._frozen)
+    recipe = property(lambda self: self._zero._recipe)
+    replica_groups = property(lambda self: self._zero._replica_groups)
+    closed = property(lambda self: self._zero._closed)
+    accumulated = property(lambda self: self._zero._reducer.accumulated)
+    boundary_reduced = property(lambda self: self._zero._reducer.boundary_reduced)
+    grad_buffer = property(lambda self: self._zero._grads)
+    grad_partition = property(lambda self: self._zero._partition)
+
+    @property
+    def master(self) -> torch.Tensor:
+        return self._zero._flat if self._zero._master is None else self._zero._master
+
+    @property
+    def has_master_copy(self) -> bool:
+        return self._zero._master is not None
+
+    @property
+    def micro_step(self) -> int:
+        return self._zero._micro_step
+
+    @micro_step.setter
+    def micro_step(self, value: int) -> None:
+        self._zero._micro_step = int(value)
+
+    def wait_reductions(self) -> None:
+        self._zero.wait_reductions()
+
+    def gradients_changed(self) -> None:
+        if self._zero._host is not None:
+            self._zero._host.forget_downloads()
+
+    def master_loaded(self) -> None:
+        zero = self._zero
+        if zero._master is not None:
+            for copy, tensor in zip(zero._copies, zero._step_params, strict=True):
+                copy.copy_(tensor.detach())
+        if zero._nvme is not None and zero._nvme.master:  # 16-bit parameters from the master copy on disk
+            zero._nvme.params_from_master(zero._flat if zero._nvme.param_dtype is None else None)
+        zero._refresh_parameters()
+
+    def next_reduction(self) -> None:
+        self._zero._next_reduction()

@@ -2,7 +2,7 @@
 
 With fp16/bf16 the model's parameters are 16-bit views of one flat buffer and each rank keeps a
 float32 master copy of the part it steps (none with ``bf16.bf16_master_weights_and_grads``: the
-optimizer steps the bf16 partition, under DeepSpeed's rules, `check_bf16_master`). An Adam-family
+optimizer steps the bf16 partition, under DeepSpeed's rules, `_policy`). An Adam-family
 optimizer (``torch.optim.Adam``/``AdamW``, ``ds_ops.CPUAdam``/``FusedAdam``) is stepped by
 ``ds_ops.adam_step`` on buffers ds-zero owns, in one pass per step: the 16-bit gradients are read
 as they are, the loss scale and the clipping coefficient are folded into one multiplier, and the
@@ -19,8 +19,6 @@ from typing import Any
 import torch
 
 import ds_ops
-
-from ._model import version
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 _COMM_NAMES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
@@ -103,28 +101,6 @@ def fused_adam_step(optimizer: torch.optim.Optimizer, recipe: AdamRecipe, master
 
 
 BF16_MASTER = "bf16.bf16_master_weights_and_grads"
-
-
-def check_bf16_master(precision: str, stage: int, offload_device: str, bf16_states: bool) -> None:
-    """DeepSpeed's rules for ``bf16.bf16_master_weights_and_grads`` (no float32 master copy: the
-    optimizer steps the bf16 partition with the bf16 gradients), checked before the model is touched:
-    bf16 training, ZeRO stage 1-3, and float32 optimizer states (``bf16.bf16_optimizer_states``
-    false) only under ZeRO-Offload, whose CPU Adam keeps them."""
-    if precision != "bf16":
-        raise ValueError(f"{BF16_MASTER} needs bf16.enabled true (the master weights are the bf16 model's own); "
-                         f"this is {'fp16' if precision == 'fp16' else 'float32'} training")
-    if stage == 0:
-        raise ValueError(f"{BF16_MASTER} needs zero_optimization.stage 1, 2 or 3 (as in DeepSpeed), got 0 (1-bit "
-                         "optimizers, which run at stage 0, cannot use it either)")
-    if offload_device == "nvme":
-        raise NotImplementedError(f"{BF16_MASTER} with zero_optimization.offload_optimizer.device 'nvme' is not "
-                                  f"implemented in ds-zero {version()} (ZeRO-Infinity's files hold float32 master "
-                                  "weights and states); offload to 'cpu', or remove the key")
-    if not bf16_states and offload_device != "cpu":
-        raise ValueError(f"{BF16_MASTER} with bf16.bf16_optimizer_states false keeps the optimizer states in "
-                         "float32, which DeepSpeed allows only with ZeRO-Offload and its CPU Adam: set "
-                         "bf16.bf16_optimizer_states true, or zero_optimization.offload_optimizer.device 'cpu' "
-                         "(with ds_ops.CPUAdam)")
 
 
 def check_bf16_master_optimizer(optimizer: torch.optim.Optimizer, offload: bool, bf16_states: bool) -> None:

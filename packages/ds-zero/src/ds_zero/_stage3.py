@@ -237,7 +237,7 @@ class Stage3(PathGuard):
         if self._saved_hooks:  # a forward that raised left its hooks on
             self._end_forward(check=False)
         if torch.is_grad_enabled():
-            hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+            hooks = torch.autograd.graph.saved_tensors_hooks(self.pack_saved, self.unpack_saved)
             hooks.__enter__()
             self._saved_hooks.append(hooks)
         if self._recording and not self._in_backward:  # the last forward had no backward (evaluation)
@@ -253,7 +253,8 @@ class Stage3(PathGuard):
             self._flush()
             self._check(END_OF_FORWARD)
 
-    def _pack(self, tensor: torch.Tensor) -> Any:
+    def pack_saved(self, tensor: torch.Tensor) -> Any:
+        """Autograd's saved-tensor pack hook (a frozen-parameter `Stage3` of the same model chains to it)."""
         if not self._by_storage or tensor.layout != torch.strided:
             return tensor
         unit = self._by_storage.get(tensor.untyped_storage().data_ptr())
@@ -261,7 +262,7 @@ class Stage3(PathGuard):
             return tensor
         return _Saved(unit.index, tensor.size(), tensor.stride(), tensor.storage_offset())
 
-    def _unpack(self, saved: Any) -> torch.Tensor:
+    def unpack_saved(self, saved: Any) -> torch.Tensor:
         if not isinstance(saved, _Saved):
             return saved
         unit = self.units[saved.unit]

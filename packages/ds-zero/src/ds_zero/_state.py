@@ -8,7 +8,9 @@ from typing import Any
 
 import torch
 
+from ._filling import refuse_with_nvme
 from ._model import short
+from ._sharded import full_state_dict
 
 
 class State:
@@ -18,19 +20,8 @@ class State:
         """The model's ``state_dict()`` with every parameter whole, as copies in its training dtype
         (stage 3 gathers one unit at a time: every rank calls it). With ``rank0_only`` the other ranks
         get ``{}`` and hold no copy (``stage3_gather_16bit_weights_on_model_save``)."""
-        keep = not rank0_only or self.rank == 0
-        whole: dict[int, torch.Tensor] = {}
-        frozen = getattr(self, "_frozen", None)  # stage 3's partitioned frozen parameters (ZeroOptimizer's)
-        for stage3 in (self._stage3, frozen.stage3 if frozen is not None else None):
-            for unit in stage3.units if stage3 is not None else ():
-                stage3.hold(unit)
-                if keep:
-                    whole.update({id(p): p.detach().clone() for p in unit.params})
-                stage3.unhold(unit, None)
-        if not keep:
-            return {}
-        return {name: whole[id(t)] if id(t) in whole else t.detach().clone()
-                for name, t in self.model.state_dict(keep_vars=True).items()}
+        frozen = self._frozen.stage3 if self._frozen is not None else None  # stage 3's partitioned frozen ones
+        return full_state_dict(self.model, [self._stage3, frozen], keep=not rank0_only or self.rank == 0)
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes this rank holds for the model's states, by kind: ``params`` (the flat parameters,
@@ -50,7 +41,7 @@ class State:
         partition += self._frozen.nbytes() if self._frozen is not None else 0  # stage 3's frozen parameters
         out = {"params": partition + gathered, "grads": size(grads), "master": size([self._master]),
                "optimizer": size(t for state in self.optimizer.state.values() for t in state.values()),
-               "buffers": size([*self._bucket_buffers, *self._received]) +
+               "buffers": size([*self._reducer.bucket_buffers, *self._reducer.received]) +
                (self._stage3.pooled_bytes() if self._stage3 is not None else 0)}
         if self._nvme is not None:  # RAM: its chunk buffers; the states and master copy are on disk
             out["optimizer"] += self._nvme.memory_bytes()
@@ -65,10 +56,10 @@ class State:
         """This rank's part: the optimizer's state over its shards, the float32 master copy (16-bit
         models), the loss scaler (fp16), what it was laid out for, and at stage 3 this rank's shards of
         the parameters (the model's own ``state_dict()`` holds empty tensors there)."""
-        self._refuse_with_nvme("state_dict")
+        refuse_with_nvme(self._nvme, "state_dict")
         state = {**self._identity(), "micro_step": self._micro_step, "optimizer": self.optimizer.state_dict(),
                  "skipped_steps": self.skipped_steps}
-        if self.stage == 3:
+        if self.policy.shard_params:
             state["partition"] = self._flat.clone()
         if self._master is not None:
             state["master"] = self._master.clone()
@@ -80,7 +71,7 @@ class State:
         """Load a `state_dict` saved by the same rank of the same layout (loading on another world
         size or stage is the checkpoint issue's reshaping). Every rank calls it: with a master copy
         the parameters are set from it and gathered (at stage 3, from the shards in the state)."""
-        self._refuse_with_nvme("load_state_dict")
+        refuse_with_nvme(self._nvme, "load_state_dict")
         for key, value in self._identity().items():
             if key not in state:
                 raise ValueError(f"ZeroOptimizer.load_state_dict: the state has no {key!r}")
@@ -90,7 +81,7 @@ class State:
                                  f"has {key}={short(value)}")
         self.optimizer.load_state_dict(state["optimizer"])
         self._next_reduction()
-        if self.stage == 3:
+        if self.policy.shard_params:
             self._flat.copy_(state["partition"])
         self._micro_step = int(state["micro_step"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
@@ -100,5 +91,5 @@ class State:
             self._master.copy_(state["master"])
             for copy, tensor in zip(self._copies, self._step_params, strict=True):
                 copy.copy_(tensor.detach())
-        if self._master is not None or self.stage == 3:
+        if self._master is not None or self.policy.shard_params:
             self._refresh_parameters()

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -34,57 +33,29 @@ import torch
 import ds_comm
 
 from ._nvme import STATES
+from ._records import ParamRecord, Range
 
 if TYPE_CHECKING:
     from ._optimizer import ZeroOptimizer
 
 _LINK = "_ds_zero_optimizer"  # the attribute a trained parameter carries: a weak reference to its optimizer
-_pieces: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> {index: Piece of this rank}
 
 
 def link_parameters(zero: ZeroOptimizer) -> None:
     """Point each parameter ``zero`` trains back at it (weakly: the parameter does not keep it alive)."""
     ref = weakref.ref(zero)
-    for p in zero._params:
-        setattr(p, _LINK, ref)
+    for record in zero.internals.records:
+        setattr(record.param, _LINK, ref)
 
 
-def _owner(param: Any) -> tuple[ZeroOptimizer, int] | None:
-    """The live optimizer training ``param`` and the parameter's index in it, or None."""
+def _owner(param: Any) -> tuple[ZeroOptimizer, ParamRecord] | None:
+    """The live optimizer training ``param`` and the parameter's record in it, or None."""
     ref = getattr(param, _LINK, None)
     zero = ref() if ref is not None else None
-    if zero is None or zero._closed:
+    if zero is None or zero.internals.closed:
         return None
-    index = zero._index_of.get(id(param))
-    return None if index is None else (zero, index)
-
-
-@dataclass(frozen=True)
-class _Where:
-    """Where this rank's piece of one parameter lives."""
-
-    param_offset: int  # its first element in the flattened parameter
-    numel: int  # 0: this rank holds none of it
-    in_partition: int  # offset in the rank's partition (stages 1-3; NVMe files too), in the flat buffer at stage 0
-    in_master: int  # offset in the master copy in RAM (the flat buffer where that is the master)
-    run: int  # the stepped tensor holding it (its optimizer state)
-    in_run: int  # offset in that tensor
-
-
-def _where(zero: ZeroOptimizer, index: int) -> _Where:
-    slot = zero.layout.slots[index]
-    if zero.stage == 0:  # every rank steps every element: the whole parameter is "this rank's piece"
-        run, at = zero._step_position(slot.bucket, slot.offset - zero.layout.buckets[slot.bucket].offset)
-        return _Where(0, slot.numel, slot.offset, slot.offset, run, at)
-    if zero not in _pieces:
-        _pieces[zero] = {piece.index: piece for piece in zero.layout.pieces(zero.rank)}
-    piece = _pieces[zero].get(index)
-    if piece is None:
-        return _Where(0, 0, 0, 0, -1, 0)
-    flat_layout = zero._master is None and zero.stage < 3  # the master is the flat buffer, laid out whole
-    in_master = slot.offset + piece.param_offset if flat_layout else piece.partition_offset
-    run, at = zero._step_position(piece.bucket, piece.partition_offset - zero._shard_starts[piece.bucket])
-    return _Where(piece.param_offset, piece.numel, piece.partition_offset, in_master, run, at)
+    record = zero.internals.records.of(param)
+    return None if record is None else (zero, record)
 
 
 def _value(what: str, value: Any, numel: int, name: str) -> torch.Tensor:
@@ -101,21 +72,21 @@ def _local_owner(what: str, param: Any) -> tuple[ZeroOptimizer, int] | None:
         if hasattr(param, "ds_id"):  # a ZeRO-3 parameter ZeRO does not train (frozen): DeepSpeed's None
             return None
         raise ValueError(f"{what} is defined for ZeRO-3 partitioned parameters; this tensor is not one")
-    if owner[0].stage != 3:
+    if not owner[0].policy.shard_params:
         raise ValueError(f"{what} is defined for ZeRO-3 partitioned parameters; this parameter's optimizer runs "
                          f"zero_optimization.stage {owner[0].stage}: use the safe_get_full_*/safe_set_full_* form")
     return owner
 
 
-def _assemble(zero: ZeroOptimizer, index: int, where: _Where, piece: torch.Tensor | None) -> torch.Tensor:
+def _assemble(zero: ZeroOptimizer, record: ParamRecord, piece: torch.Tensor | None) -> torch.Tensor:
     """The whole parameter-shaped float32 tensor from every rank's ``piece`` (an all-reduce of disjoint parts)."""
-    slot = zero.layout.slots[index]
-    if zero.stage == 0:
+    slot, where = record.slot, record.held
+    if not zero.policy.shard_optimizer:
         return _on_device(zero, piece).view(slot.shape)
     out = torch.zeros(slot.numel, dtype=torch.float32, device=zero.device)
     if where.numel:
         out[where.param_offset:where.param_offset + where.numel].copy_(piece)
-    ds_comm.all_reduce(out, group=zero._bucket_groups[slot.bucket])  # the ranks holding it (`_replicas`)
+    ds_comm.all_reduce(out, group=record.group)  # the ranks holding it (`_replicas`)
     return out.view(slot.shape)
 
 
@@ -124,55 +95,52 @@ def _on_device(zero: ZeroOptimizer, piece: torch.Tensor) -> torch.Tensor:
     return piece.to(device=zero.device, dtype=torch.float32, copy=True)
 
 
-def _gradients_changed(zero: ZeroOptimizer) -> None:
-    """ZeRO-Offload: gradients copied to the host before they were set by hand are copied again at the step."""
-    if zero._host is not None:
-        zero._host.forget_downloads()
-
-
 # ------------------------------------------------------------------------------------------- master weights
 def _master_kind(zero: ZeroOptimizer) -> str | None:
     """Where the master copy is on NVMe ("master": its own file, "param": the float32 parameters' file), or None."""
-    nvme = zero._nvme
+    nvme = zero.internals.nvme
     if nvme is None:
         return None
     return "master" if nvme.master else ("param" if nvme.param_dtype is not None else None)
 
 
-def _read_master(zero: ZeroOptimizer, where: _Where) -> torch.Tensor:
-    kind = _master_kind(zero)
+def _read_master(zero: ZeroOptimizer, where: Range) -> torch.Tensor:
+    kind, nvme = _master_kind(zero), zero.internals.nvme
     if kind is not None:
-        dtype = torch.float32 if kind == "master" else zero._nvme.param_dtype
-        return zero._nvme.read_range(kind, where.in_partition,
-                                     torch.empty(where.numel, dtype=dtype, device="cpu")).float()
-    master = zero._flat if zero._master is None else zero._master
-    return master[where.in_master:where.in_master + where.numel].float()
+        dtype = torch.float32 if kind == "master" else nvme.param_dtype
+        return nvme.read_range(kind, where.in_partition, torch.empty(where.numel, dtype=dtype, device="cpu")).float()
+    return zero.internals.master[where.in_master:where.in_master + where.numel].float()
 
 
-def _write_master(zero: ZeroOptimizer, where: _Where, values: torch.Tensor) -> None:
-    kind = _master_kind(zero)
+def _write_master(zero: ZeroOptimizer, where: Range, values: torch.Tensor) -> None:
+    kind, nvme = _master_kind(zero), zero.internals.nvme
     if kind is not None:
-        dtype = torch.float32 if kind == "master" else zero._nvme.param_dtype
-        zero._nvme.write_range(kind, where.in_partition, values.to(dtype))
+        dtype = torch.float32 if kind == "master" else nvme.param_dtype
+        nvme.write_range(kind, where.in_partition, values.to(dtype))
         return
-    master = zero._flat if zero._master is None else zero._master
-    master[where.in_master:where.in_master + where.numel].copy_(values)
+    zero.internals.master[where.in_master:where.in_master + where.numel].copy_(values)
 
 
-def _write_model(zero: ZeroOptimizer, index: int, where: _Where, whole: torch.Tensor) -> None:
+def _write_shard(zero: ZeroOptimizer, where: Range, values: torch.Tensor) -> None:
+    """Stage 3: this rank's 16-bit shard of a parameter follows new master values (in the parameters' file
+    on NVMe, unless that file is the master copy, written already)."""
+    nvme = zero.internals.nvme
+    if nvme is not None and nvme.param_dtype is not None:  # the shard is in the parameters' file
+        if _master_kind(zero) != "param":
+            nvme.write_range("param", where.in_partition, values.to(nvme.param_dtype))
+    else:
+        zero.internals.flat[where.in_partition:where.in_partition + where.numel].copy_(values)
+
+
+def _write_model(zero: ZeroOptimizer, record: ParamRecord, whole: torch.Tensor) -> None:
     """The model's (16-bit) weight follows a new master value: below stage 3 the parameter itself (a view of
     the flat buffer, whole on every rank); at stage 3 this rank's shard, and the parameter if it is gathered."""
-    param = zero._params[index]
-    if zero.stage < 3:
+    param, where = record.param, record.held
+    if not zero.policy.shard_params:
         param.data.copy_(whole.view(param.shape))
         return
     if where.numel:
-        part = whole[where.param_offset:where.param_offset + where.numel]
-        if zero._nvme is not None and zero._nvme.param_dtype is not None:  # the shard is in the parameters' file
-            if _master_kind(zero) != "param":
-                zero._nvme.write_range("param", where.in_partition, part.to(zero._nvme.param_dtype))
-        else:
-            zero._flat[where.in_partition:where.in_partition + where.numel].copy_(part)
+        _write_shard(zero, where, whole[where.param_offset:where.param_offset + where.numel])
     if param.numel() == whole.numel():  # gathered now (persistent, held, in use): whole on every rank
         param.data.copy_(whole.view(param.shape))
 
@@ -183,9 +151,8 @@ def safe_get_full_fp32_param(param: torch.Tensor) -> torch.Tensor | None:
     owner = _owner(param)
     if owner is None:
         return None
-    zero, index = owner
-    where = _where(zero, index)
-    return _assemble(zero, index, where, _read_master(zero, where) if where.numel else None)
+    zero, record = owner
+    return _assemble(zero, record, _read_master(zero, record.held) if record.held.numel else None)
 
 
 def safe_set_full_fp32_param(param: torch.Tensor, value: torch.Tensor) -> None:
@@ -194,12 +161,12 @@ def safe_set_full_fp32_param(param: torch.Tensor, value: torch.Tensor) -> None:
     owner = _owner(param)
     if owner is None:
         return
-    zero, index = owner
-    whole = _value("safe_set_full_fp32_param", value, zero.layout.slots[index].numel, "the parameter")
-    where = _where(zero, index)
+    zero, record = owner
+    whole = _value("safe_set_full_fp32_param", value, record.slot.numel, "the parameter")
+    where = record.held
     if where.numel:
         _write_master(zero, where, whole[where.param_offset:where.param_offset + where.numel].float())
-    _write_model(zero, index, where, whole)
+    _write_model(zero, record, whole)
 
 
 def safe_get_local_fp32_param(param: torch.Tensor) -> torch.Tensor | None:
@@ -207,8 +174,7 @@ def safe_get_local_fp32_param(param: torch.Tensor) -> torch.Tensor | None:
     owner = _local_owner("safe_get_local_fp32_param", param)
     if owner is None:
         return None
-    where = _where(*owner)
-    zero = owner[0]
+    zero, where = owner[0], owner[1].held
     return _on_device(zero, _read_master(zero, where)) if where.numel else torch.zeros(0, device=zero.device)
 
 
@@ -219,30 +185,25 @@ def safe_set_local_fp32_param(param: torch.Tensor, value: torch.Tensor) -> None:
     owner = _local_owner("safe_set_local_fp32_param", param)
     if owner is None:
         return
-    zero, index = owner
-    where = _where(zero, index)
+    zero, where = owner[0], owner[1].held
     values = _value("safe_set_local_fp32_param", value, where.numel, "this rank's piece of the parameter")
     if where.numel:
         _write_master(zero, where, values.float())
-        if zero._nvme is not None and zero._nvme.param_dtype is not None:
-            if _master_kind(zero) != "param":
-                zero._nvme.write_range("param", where.in_partition, values.to(zero._nvme.param_dtype))
-        else:
-            zero._flat[where.in_partition:where.in_partition + where.numel].copy_(values)
+        _write_shard(zero, where, values)
 
 
 # ----------------------------------------------------------------------------------------- optimizer states
-def _state(zero: ZeroOptimizer, where: _Where, key: Any, what: str) -> torch.Tensor | None:
+def _state(zero: ZeroOptimizer, where: Range, key: Any, what: str) -> torch.Tensor | None:
     """A view of this rank's piece of state ``key`` (a float32 copy for states on NVMe); None: no piece here."""
-    if zero._nvme is not None:
+    nvme, tensors = zero.internals.nvme, zero.internals.step_tensors
+    if nvme is not None:
         if key not in STATES:
             raise ValueError(f"{what}: optim_state_key must be one of {list(STATES)} (the per-element states of "
                              f"ZeRO-Infinity's Adam), got {key!r}")
         if not where.numel:
             return None
-        return zero._nvme.read_range(key, where.in_partition,
-                                     torch.empty(where.numel, dtype=torch.float32, device="cpu"))
-    sample = next((t for t in zero._step_params if zero.optimizer.state.get(t)), None)
+        return nvme.read_range(key, where.in_partition, torch.empty(where.numel, dtype=torch.float32, device="cpu"))
+    sample = next((t for t in tensors if zero.optimizer.state.get(t)), None)
     if sample is None:
         raise RuntimeError(f"{what}: the optimizer has no state yet; it makes its states at its first step")
     per_element = sorted(k for k, v in zero.optimizer.state[sample].items()
@@ -252,15 +213,15 @@ def _state(zero: ZeroOptimizer, where: _Where, key: Any, what: str) -> torch.Ten
                          f"one of {per_element}; got {key!r}")
     if not where.numel:
         return None
-    return zero.optimizer.state[zero._step_params[where.run]][key][where.in_run:where.in_run + where.numel]
+    return zero.optimizer.state[tensors[where.run]][key][where.in_run:where.in_run + where.numel]
 
 
-def _write_state(zero: ZeroOptimizer, where: _Where, key: str, values: torch.Tensor, what: str) -> None:
+def _write_state(zero: ZeroOptimizer, where: Range, key: str, values: torch.Tensor, what: str) -> None:
     target = _state(zero, where, key, what)
     if target is None:
         return
-    if zero._nvme is not None:
-        zero._nvme.write_range(key, where.in_partition, values.float())
+    if zero.internals.nvme is not None:
+        zero.internals.nvme.write_range(key, where.in_partition, values.float())
     else:
         target.copy_(values)
 
@@ -271,10 +232,9 @@ def safe_get_full_optimizer_state(param: torch.Tensor, optim_state_key: str) -> 
     owner = _owner(param)
     if owner is None:
         return None
-    zero, index = owner
-    where = _where(zero, index)
-    piece = _state(zero, where, optim_state_key, "safe_get_full_optimizer_state")
-    return _assemble(zero, index, where, piece.float() if piece is not None else None)
+    zero, record = owner
+    piece = _state(zero, record.held, optim_state_key, "safe_get_full_optimizer_state")
+    return _assemble(zero, record, piece.float() if piece is not None else None)
 
 
 def safe_set_full_optimizer_state(param: torch.Tensor, value: torch.Tensor, optim_state_key: str) -> None:
@@ -283,9 +243,9 @@ def safe_set_full_optimizer_state(param: torch.Tensor, value: torch.Tensor, opti
     owner = _owner(param)
     if owner is None:
         return
-    zero, index = owner
-    whole = _value("safe_set_full_optimizer_state", value, zero.layout.slots[index].numel, "the parameter")
-    where = _where(zero, index)
+    zero, record = owner
+    whole = _value("safe_set_full_optimizer_state", value, record.slot.numel, "the parameter")
+    where = record.held
     _write_state(zero, where, optim_state_key, whole[where.param_offset:where.param_offset + where.numel],
                  "safe_set_full_optimizer_state")
 
@@ -296,7 +256,7 @@ def safe_get_local_optimizer_state(param: torch.Tensor, optim_state_key: str) ->
     if owner is None:
         return None
     zero = owner[0]
-    piece = _state(zero, _where(*owner), optim_state_key, "safe_get_local_optimizer_state")
+    piece = _state(zero, owner[1].held, optim_state_key, "safe_get_local_optimizer_state")
     return _on_device(zero, piece) if piece is not None else torch.zeros(0, device=zero.device)
 
 
@@ -305,24 +265,25 @@ def safe_set_local_optimizer_state(param: torch.Tensor, value: torch.Tensor, opt
     owner = _local_owner("safe_set_local_optimizer_state", param)
     if owner is None:
         return
-    where = _where(*owner)
+    where = owner[1].held
     values = _value("safe_set_local_optimizer_state", value, where.numel, "this rank's piece of the parameter")
     _write_state(owner[0], where, optim_state_key, values, "safe_set_local_optimizer_state")
 
 
 # ------------------------------------------------------------------------------------------------ gradients
-def _gradient(zero: ZeroOptimizer, index: int, what: str) -> tuple[torch.Tensor, bool]:
+def _gradient(zero: ZeroOptimizer, record: ParamRecord, what: str) -> tuple[torch.Tensor, bool]:
     """``(tensor, whole)``: the parameter's whole gradient (stage 0; stage 1 before its reduction: this rank's
     own) or this rank's reduced piece of it, as ZeRO holds it now."""
-    if not zero._accumulated:
+    internals = zero.internals
+    if not internals.accumulated:
         raise RuntimeError(f"{what}: gradients are available after a backward and before the step (DeepSpeed: "
                            "'immediately after backward and before engine step'); none is held now")
-    zero.wait_reductions()
-    param = zero._params[index]
-    if zero.stage == 0 or (zero.stage == 1 and not zero._boundary_reduced):
-        return zero._grads[zero.layout.slots[index].offset:][:param.numel()], True
-    where = _where(zero, index)  # stages 1-3: this rank's reduced piece, in the partition
-    return zero._partition[where.in_partition:where.in_partition + where.numel], False
+    internals.wait_reductions()
+    policy = zero.policy
+    if not policy.shard_optimizer or (policy.reduces_whole_accumulation and not internals.boundary_reduced):
+        return internals.grad_buffer[record.slot.offset:][:record.param.numel()], True
+    where = record.held  # stages 1-3: this rank's reduced piece, in the partition
+    return internals.grad_partition[where.in_partition:where.in_partition + where.numel], False
 
 
 def safe_get_full_grad(param: torch.Tensor) -> torch.Tensor | None:
@@ -331,11 +292,11 @@ def safe_get_full_grad(param: torch.Tensor) -> torch.Tensor | None:
     owner = _owner(param)
     if owner is None:
         return param.grad
-    zero, index = owner
-    grad, whole = _gradient(zero, index, "safe_get_full_grad")
+    zero, record = owner
+    grad, whole = _gradient(zero, record, "safe_get_full_grad")
     if whole:
-        return grad.float().clone().view(zero.layout.slots[index].shape)
-    return _assemble(zero, index, _where(zero, index), grad.float())
+        return grad.float().clone().view(record.slot.shape)
+    return _assemble(zero, record, grad.float())
 
 
 def safe_set_full_grad(param: torch.Tensor, value: torch.Tensor) -> None:
@@ -346,14 +307,14 @@ def safe_set_full_grad(param: torch.Tensor, value: torch.Tensor) -> None:
         if param.grad is not None:
             param.grad.copy_(value)
         return
-    zero, index = owner
-    whole = _value("safe_set_full_grad", value, zero.layout.slots[index].numel, "the parameter")
-    grad, is_whole = _gradient(zero, index, "safe_set_full_grad")
-    _gradients_changed(zero)
+    zero, record = owner
+    whole = _value("safe_set_full_grad", value, record.slot.numel, "the parameter")
+    grad, is_whole = _gradient(zero, record, "safe_set_full_grad")
+    zero.internals.gradients_changed()
     if is_whole:  # stage 0, or stage 1 before its reduction: the whole gradient
-        zero._grads[zero.layout.slots[index].offset:][:whole.numel()].copy_(whole)
+        grad.copy_(whole)
         return
-    where = _where(zero, index)
+    where = record.held
     grad.copy_(whole[where.param_offset:where.param_offset + where.numel])
 
 
@@ -372,7 +333,7 @@ def safe_set_local_grad(param: torch.Tensor, value: torch.Tensor) -> None:
     if owner is None:
         return
     grad, _ = _gradient(*owner, "safe_set_local_grad")
-    _gradients_changed(owner[0])
+    owner[0].internals.gradients_changed()
     grad.copy_(_value("safe_set_local_grad", value, grad.numel(), "this rank's piece of the parameter"))
 
 

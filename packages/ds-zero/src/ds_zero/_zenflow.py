@@ -38,16 +38,10 @@ from ._zenflow_select import adamw_, pieces, select_columns
 logger = logging.getLogger(__name__)
 
 
-def check_zenflow(config: ZenFlowConfig, *, stage: int, offload_device: str, precision: str,
-                  compute_grad_norm: bool, overlap_comm: bool) -> None:
-    """What ZenFlow needs, checked before the model is touched: DeepSpeed's refusals (ValueError) and what ds
-    has not built (NotImplementedError)."""
-    if offload_device != "cpu":
-        raise ValueError(f"zero_optimization.zenflow needs offload_optimizer.device 'cpu' (ZenFlow steps the "
-                         f"unselected columns there), got {offload_device!r}")
-    if stage != 2:
-        raise NotImplementedError(f"zero_optimization.zenflow at stage {stage} is not implemented in ds-zero "
-                                  f"{version()}: use stage 2 (DeepSpeed also runs it at stages 1 and 3)")
+def check_zenflow(config: ZenFlowConfig, *, precision: str, compute_grad_norm: bool, overlap_comm: bool) -> None:
+    """What ZenFlow needs of its section and the run, checked before the model is touched: DeepSpeed's refusals
+    (ValueError) and what ds has not built (NotImplementedError). Where it runs (the stage, the CPU offload) is
+    the policy's to refuse (`_policy.resolve`)."""
     if not compute_grad_norm:
         raise ValueError("zero_optimization.compute_grad_norm false cannot be used with zenflow (its CPU step "
                          "clips by the global norm; DeepSpeed refuses this too)")
