@@ -24,10 +24,10 @@ from ds_comm.testing import spawn
 # DeepSpeed's tests/unit/elasticity/test_elastic.py: batch 9792 over 23 GPU counts; at 64 GPUs micro-batch 17
 DEEPSPEED_TEST = {"enabled": True, "max_train_batch_size": 10000, "micro_batch_sizes": [8, 12, 16, 17],
                   "min_gpus": 32, "max_gpus": 1500, "min_time": 20, "version": 0.1}
-# DeepSpeed's 2-rank engine test's section. Candidates (each size and the LCM 12, scaled by the largest highly
-# composite number keeping them <= 4): 4, 4, 3, 4 and 12; device counts in [1, 4] that m × g divides: 4 -> {1, 2, 4},
-# 3 -> {1, 3}, 12 -> {1, 2, 3, 4}. So 12 (DeepSpeed keeps the LCM above the maximum); at 2 ranks 12 / 2 = 6, whose
-# largest divisor among the sizes is 3: accumulation 12 / (3 × 2) = 2.
+# DeepSpeed's 2-rank engine test's section. Candidates (each size scaled by the largest highly composite number
+# keeping it <= 4; the LCM 12 exceeds the maximum and is none, DeepSpeed's PR 8237): 4, 4, 3, 4; device counts in
+# [1, 4] that m × g divides: 4 -> {1, 2, 4}, 3 -> {1, 3}. So 4; at 2 ranks 4 / 2 = 2, whose largest divisor among
+# the sizes is 2: accumulation 4 / (2 × 2) = 1. (Before PR 8237: the LCM 12, micro-batch 3, accumulation 2.)
 SMALL = {"enabled": True, "max_train_batch_size": 4, "micro_batch_sizes": [1, 2, 3, 4], "min_gpus": 1,
          "max_gpus": 4, "min_time": 20, "version": 0.1}
 
@@ -74,7 +74,7 @@ def test_resolve_takes_the_triad_from_elasticity():
     assert config.resolve(dp_world_size=64) == config  # a resolved config resolves to itself
     small = Config.load({"elasticity": SMALL}).resolve(dp_world_size=2)
     assert (small.train_batch_size, small.train_micro_batch_size_per_gpu, small.gradient_accumulation_steps) == \
-        (12, 3, 2)
+        (4, 2, 1)
 
 
 def test_a_world_size_the_config_does_not_allow_names_the_valid_ones():
@@ -88,12 +88,12 @@ def test_batch_keys_outside_the_section_are_refused_unless_ignored(caplog):
     given = {"train_batch_size": 2, "elasticity": SMALL}
     with pytest.raises(ElasticityConfigError, match="train_batch_size 2 given while elasticity is enabled"):
         Config.load(given).resolve(dp_world_size=2)
-    ignoring = {"train_batch_size": 2, "gradient_accumulation_steps": 1,
+    ignoring = {"train_batch_size": 2, "gradient_accumulation_steps": 3,
                 "elasticity": {**SMALL, "ignore_non_elastic_batch_info": True}}
     with caplog.at_level(logging.WARNING):
         config = Config.load(ignoring).resolve(dp_world_size=2)
-    assert (config.train_batch_size, config.gradient_accumulation_steps) == (12, 2)
-    assert "train_batch_size 2, gradient_accumulation_steps 1 ignored" in caplog.text
+    assert (config.train_batch_size, config.gradient_accumulation_steps) == (4, 1)
+    assert "train_batch_size 2, gradient_accumulation_steps 3 ignored" in caplog.text
 
 
 def test_disabled_elasticity_leaves_the_triad_alone():
@@ -115,4 +115,4 @@ def _elastic_engine(rank, world_size):
 
 
 def test_initialize_on_two_ranks_uses_the_elastic_triad():
-    assert spawn(_elastic_engine, world_size=2, timeout=120) == [(12, 3, 2, 1)] * 2
+    assert spawn(_elastic_engine, world_size=2, timeout=120) == [(4, 2, 1, 1)] * 2

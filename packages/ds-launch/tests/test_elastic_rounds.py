@@ -88,11 +88,11 @@ def test_rendezvous_gives_up_after_its_timeout():
 
 def _counts(micro, max_batch, low, high):
     """DeepSpeed's documented v0.1 search, written out: the candidate batches are each micro-batch size and their
-    LCM scaled by the largest highly composite number within the maximum; the winner has the most device counts g
-    in [low, high] such that some micro-batch size m divides batch / g."""
+    LCM scaled by the largest highly composite number within the maximum (a base above it is none: PR 8237); the
+    winner has the most device counts g in [low, high] such that some micro-batch size m divides batch / g."""
     hcn = [1, 2, 4, 6, 12, 24, 36, 48, 60, 120, 180, 240, 360, 720]
     best = None
-    for base in set(micro) | {math.lcm(*micro)}:
+    for base in {b for b in set(micro) | {math.lcm(*micro)} if b <= max_batch}:
         batch = max([base] + [base * h for h in hcn if base * h <= max_batch])
         valid = [g for g in range(low, high + 1) if any(batch % g == 0 and (batch // g) % m == 0 for m in micro)]
         if best is None or (len(valid), batch) > (len(best[1]), best[0]):
