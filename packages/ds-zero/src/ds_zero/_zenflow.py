@@ -189,9 +189,10 @@ class ZenFlow:
                     values.copy_(self._saved[i])
                 state = self.states[i]
                 if state is None:
-                    state = self.states[i] = {"step": torch.zeros((), dtype=torch.float32),
-                                              "exp_avg": torch.zeros_like(values),
-                                              "exp_avg_sq": torch.zeros_like(values)}
+                    # the step count stays a host scalar, as torch's non-capturable AdamW keeps it
+                    state = self.states[i] = {"step": torch.zeros((), dtype=torch.float32, device="cpu"),
+                                              "exp_avg": torch.zeros_like(values, device=values.device),
+                                              "exp_avg_sq": torch.zeros_like(values, device=values.device)}
                 adamw_(values, grad, state["exp_avg"], state["exp_avg_sq"], state["step"], **self._options[i])
                 if p.dim() == 2:
                     p.detach()[:, self.columns[i]] = values
@@ -204,8 +205,9 @@ class ZenFlow:
         accumulated gradients (times ``grad_scale``: loss scale over the clipping coefficient) and the 16-bit
         tensors the model is refreshed from. Returns whether ``copies`` were written (upload them)."""
         if not self._moments:
-            self._moments = [[(torch.zeros_like(t), torch.zeros_like(t)) for t in masters] for _ in range(2)]
-            self._grads = [[torch.zeros_like(t) for t in masters] for _ in range(2)]
+            self._moments = [[(torch.zeros_like(t, device=t.device), torch.zeros_like(t, device=t.device))
+                              for t in masters] for _ in range(2)]
+            self._grads = [[torch.zeros_like(t, device=t.device) for t in masters] for _ in range(2)]
             self._snapshot = [t.detach().clone() for t in masters]
         m = self.micro_step
         warm = m < self.warm_up
