@@ -40,8 +40,8 @@ import torch
 import ds_comm
 import ds_moe
 import ds_ops
+import ds_zero
 from ds_zero import (
-    SafeReader,
     is_deepspeed_checkpoint,
     load_zero_checkpoint,
     save_zero_checkpoint,
@@ -325,7 +325,7 @@ def load_checkpoint(engine: DeepSpeedEngine, load_dir: Any, tag: str | None = No
     same_world = meta["world_size"] == engine.world_size
     extra: dict[str, torch.Tensor] = {}
     rng = torch.get_rng_state()
-    saved = SafeReader(str(path)).read_metadata().state_dict_metadata
+    saved = ds_zero.SafeReader(str(path)).read_metadata().state_dict_metadata  # (loads DCP: on first use)
     device_key = _device_rng_key(rank)
     device_rng = ds_ops.get_accelerator().get_rng_state() \
         if same_world and device_key is not None and device_key in saved else None

@@ -14,7 +14,7 @@ scale an fp16 loss by hand. `safe_get_full_fp32_param`, `safe_get_full_grad`, `s
 their `safe_set_*`/`*_local_*` forms (DeepSpeed's ``deepspeed.utils``) read and write one parameter's state.
 """
 
-from ._checkpoint import SafeReader, load_zero_checkpoint, read_zero_metadata, save_zero_checkpoint
+from ._checkpoint import load_zero_checkpoint, read_zero_metadata, save_zero_checkpoint
 from ._deepspeed_format import is_deepspeed_checkpoint, load_deepspeed_checkpoint
 from ._errors import ZeRORuntimeException
 from ._estimate import (
@@ -80,9 +80,19 @@ from .onebit import OneBitAdam, OneBitLamb, ZeroOneAdam
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str):
+    # `SafeReader` subclasses torch.distributed.checkpoint's reader, and that import pulls in DTensor and sympy
+    # (about 4 s): it loads on first use, so a process that imports ds_zero (each launched rank) does not pay it
+    if name == "SafeReader":
+        from ._storage import SafeReader
+
+        return SafeReader
+    raise AttributeError(f"module 'ds_zero' has no attribute {name!r}")
+
 __all__ = ["BF16Config", "CreateLossScaler", "DynamicLossScaler", "FP16Config", "GatheredParameters", "Init",
            "LossScaler", "LossScalerBase", "OffloadDeviceEnum", "OffloadOptimizerConfig", "OffloadParamConfig",
-           "OffloadStateTypeEnum", "OneBitAdam", "OneBitLamb", "SafeReader", "ZeRORuntimeException", "ZeroConfig",
+           "OffloadStateTypeEnum", "OneBitAdam", "OneBitLamb", "ZeRORuntimeException", "ZeroConfig",
            "ZeroInference", "ZeroOneAdam", "ZeroOptimizer", "ZeroParamStatus", "__version__",
            "apply_zero_leaf_module_config", "convert_zero_checkpoint_to_fp32_state_dict",
            "convert_zero_checkpoint_to_state_dict", "estimate_zero2_model_states_mem_needs_all_cold",

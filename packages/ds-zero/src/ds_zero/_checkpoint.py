@@ -42,16 +42,17 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 
 from ._checkpoint_tp import Slice, checkpoint_slices, sharded_slice
 from ._compressed import CompressedOptimizer
 from ._model import param_name
 from ._nvme import STATES
-from ._nvme_checkpoint import NvmeEntries
 from ._replicas import GROUPING_MARKS
 
 if TYPE_CHECKING:
+    import torch.distributed.checkpoint as dcp
+
+    from ._nvme_checkpoint import NvmeEntries
     from ._optimizer import ZeroOptimizer
 
 with warnings.catch_warnings():
@@ -63,9 +64,17 @@ with warnings.catch_warnings():
         TensorProperties,
     )
 
-from ._storage import RawWriter, SafeReader
 
 logger = logging.getLogger(__name__)
+
+
+def _dcp():
+    """``torch.distributed.checkpoint``, imported when a checkpoint is saved or loaded: it pulls in DTensor
+    and sympy, about 4 s on this CPU, which every process that imports ds_zero (each rank a launcher
+    starts) would otherwise pay."""
+    import torch.distributed.checkpoint
+
+    return torch.distributed.checkpoint
 
 FORMAT = 1  # bumped when the layout of keys changes
 
@@ -288,7 +297,12 @@ def _frozen_names(zero: ZeroOptimizer) -> list[str]:
 
 def _nvme_entries(zero: ZeroOptimizer) -> NvmeEntries | None:
     nvme = zero.internals.nvme
-    return NvmeEntries(nvme) if nvme is not None else None
+    if nvme is None:
+        return None
+    # DCP's planners: imported with a checkpoint (see _dcp)
+    from ._nvme_checkpoint import NvmeEntries
+
+    return NvmeEntries(nvme)
 
 
 def zero_state(zero: ZeroOptimizer, exclude_frozen_parameters: bool = False,
@@ -412,7 +426,9 @@ def _rank_state_wanted(zero: ZeroOptimizer, meta: dict[str, Any], saved_keys: se
 
 def _reader(checkpoint_id: Any) -> dcp.StorageReader:
     """A checkpoint directory's reader, or ``checkpoint_id`` itself when it is one (a DeepSpeed checkpoint's)."""
-    return checkpoint_id if isinstance(checkpoint_id, dcp.StorageReader) else SafeReader(checkpoint_id)
+    from ._storage import SafeReader
+
+    return checkpoint_id if isinstance(checkpoint_id, _dcp().StorageReader) else SafeReader(checkpoint_id)
 
 
 def load_zero_state(zero: ZeroOptimizer, checkpoint_id: Any, meta: dict[str, Any], *, load_optimizer: bool = True,
@@ -466,7 +482,7 @@ def load_zero_state(zero: ZeroOptimizer, checkpoint_id: Any, meta: dict[str, Any
     wanted.update(extra or {})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
-        dcp.load(wanted, storage_reader=_reader(checkpoint_id),
+        _dcp().load(wanted, storage_reader=_reader(checkpoint_id),
                  planner=lazy.load_planner() if lazy is not None else None)
     for target, host in back:  # the values read, into the device tensors
         target.copy_(host)
@@ -534,6 +550,9 @@ def save_zero_checkpoint(zero: ZeroOptimizer, path: Any, *, extra: dict[str, Any
             f.flush()
             os.fsync(f.fileno())
         os.replace(target + ".tmp", target)
+    from ._storage import RawWriter
+
+    dcp = _dcp()
     writer = RawWriter(path)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)

@@ -32,14 +32,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import StorageReader
-from torch.distributed.checkpoint.metadata import (
-    ChunkStorageMetadata,
-    Metadata,
-    TensorProperties,
-    TensorStorageMetadata,
-)
-from torch.futures import Future
 
 from ._policy import sharding
 
@@ -410,54 +402,6 @@ def read_deepspeed_checkpoint(path: Any) -> DeepSpeedState:
     return out
 
 
-class DeepSpeedReader(StorageReader):
-    """`torch.distributed.checkpoint`'s view of a DeepSpeed checkpoint: every entry one whole chunk,
-    read from the tensors `read_deepspeed_checkpoint` assembled (no file is opened here)."""
-
-    def __init__(self, state: DeepSpeedState):
-        super().__init__()
-        self.state = state
-        self.tensors = state.entries()
-
-    def reset(self, checkpoint_id: Any = None) -> None:
-        pass
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
-        return False
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        entries = {}
-        for key, t in self.tensors.items():
-            chunk = ChunkStorageMetadata(offsets=torch.Size([0] * t.dim()), sizes=t.shape)
-            entries[key] = TensorStorageMetadata(TensorProperties(dtype=t.dtype), t.shape, [chunk])
-        return Metadata(state_dict_metadata=entries)
-
-    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def prepare_local_plan(self, plan: Any) -> Any:
-        return plan
-
-    def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
-        return plans
-
-    def read_data(self, plan: Any, planner: Any) -> Future:
-        for request in plan.items:
-            source = self.tensors[request.storage_index.fqn]
-            for dim, (start, length) in enumerate(zip(request.storage_offsets, request.lengths, strict=True)):
-                source = source.narrow(dim, start, length)
-            target = planner.resolve_tensor(request).detach()
-            if target.shape != source.shape:
-                raise ValueError(f"{request.storage_index.fqn}: asked for {list(target.shape)}, the DeepSpeed "
-                                 f"checkpoint holds {list(source.shape)}")
-            target.copy_(source)
-            planner.commit_tensor(request, target)
-        done: Future = Future()
-        done.set_result(None)
-        return done
-
-
 def fp32_state_dict(path: Any, exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor]:
     """What DeepSpeed's ``zero_to_fp32`` makes of a DeepSpeed tag directory: the buffers (floating ones in
     float32), the frozen parameters, the float32 weights, then a tied parameter's other names. It also
@@ -494,7 +438,9 @@ def load_deepspeed_checkpoint(zero: Any, path: Any, *, load_optimizer: bool = Tr
     """Load the DeepSpeed tag directory (or universal checkpoint) ``path`` into ``zero`` on any world size
     and stage (every rank calls it; each reads the DeepSpeed files). Returns DeepSpeed's model states
     without the module's tensors (the schedule, counters, the client's entries)."""
+    # _deepspeed_reader imports torch.distributed.checkpoint (seconds): here, not with ds_zero
     from ._checkpoint import FORMAT, load_zero_state
+    from ._deepspeed_reader import DeepSpeedReader
 
     state = read_deepspeed_checkpoint(path)
     if not load_optimizer:

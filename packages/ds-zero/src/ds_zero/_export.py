@@ -21,9 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 
-from ._checkpoint import META_FILE, SafeReader, read_zero_metadata
+from ._checkpoint import META_FILE, _dcp, read_zero_metadata
 from ._deepspeed_format import deepspeed_tag_dir, fp32_state_dict
 
 logger = logging.getLogger(__name__)
@@ -58,6 +57,9 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: Any, tag: str | Non
         return fp32_state_dict(deepspeed_path, exclude_frozen_parameters)
     path = _tag_dir(checkpoint_dir, tag)
     meta = read_zero_metadata(path)
+    # torch.distributed.checkpoint: imported here, not with ds_zero
+    from ._storage import SafeReader
+
     saved = SafeReader(str(path)).read_metadata().state_dict_metadata
     state: dict[str, torch.Tensor] = {}
     for name, shape in zip(meta["names"], meta["shapes"], strict=True):
@@ -68,7 +70,7 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: Any, tag: str | Non
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)  # one process, on purpose
-        dcp.load(state, storage_reader=SafeReader(str(path)), no_dist=True)
+        _dcp().load(state, storage_reader=SafeReader(str(path)), no_dist=True)
     out = OrderedDict()
     for name, shape in zip(meta["names"], meta["shapes"], strict=True):
         out[name] = state[f"master/{name}"].view(shape)
