@@ -1,3 +1,4 @@
+# generated from ds_all/_deepspeed_paths.py by `python -m ds_all._compat_gen`; do not edit
 """DeepSpeed's ``deepspeed.autotuning.utils``: ``get_val_by_key`` and ``set_val_by_key`` (a key at any depth
 of a nested config), ds-autotune's."""
 

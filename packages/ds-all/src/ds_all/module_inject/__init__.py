@@ -1,3 +1,4 @@
+# generated from ds_all/_deepspeed_paths.py by `python -m ds_all._compat_gen`; do not edit
 """DeepSpeed's ``deepspeed.module_inject``: AutoTP's layers and shard sizes (``layers``, ``tp_shard``),
 ds-parallel's under DeepSpeed's module paths, and the AutoTP mode switch."""
 

@@ -1,3 +1,4 @@
+# generated from ds_all/_deepspeed_paths.py by `python -m ds_all._compat_gen`; do not edit
 """DeepSpeed's ``deepspeed.moe.sharded_moe``: ds-moe's gate (`TopKGate`, the gating functions, the noise
 functions), `MOELayer`, and the module-level names DeepSpeed's own tests reach:
 
@@ -11,7 +12,7 @@ functions), `MOELayer`, and the module-level names DeepSpeed's own tests reach:
 """
 
 import ds_comm as dist
-import ds_moe
+from ds_moe import AllToAll as _AllToAll
 from ds_moe import (
     MOELayer,
     TopKGate,
@@ -21,11 +22,10 @@ from ds_moe import (
     top2gating,
     topkgating,
 )
+from ds_moe import route_slots as _route_slots
+from ds_moe import sparse_decode as _sparse_decode
+from ds_moe import sparse_encode as _sparse_encode
 
-_AllToAll = ds_moe.AllToAll
-_route_slots = ds_moe.route_slots
-_sparse_encode = ds_moe.sparse_encode
-_sparse_decode = ds_moe.sparse_decode
-
-__all__ = ["MOELayer", "TopKGate", "_AllToAll", "_route_slots", "_sparse_decode", "_sparse_encode", "dist",
-           "gumbel_rsample", "multiplicative_jitter", "top1gating", "top2gating", "topkgating"]
+__all__ = ["MOELayer", "TopKGate", "_AllToAll", "_route_slots", "_sparse_decode", "_sparse_encode",
+           "dist", "gumbel_rsample", "multiplicative_jitter", "top1gating", "top2gating",
+           "topkgating"]

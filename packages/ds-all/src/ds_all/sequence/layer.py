@@ -1,3 +1,4 @@
+# generated from ds_all/_deepspeed_paths.py by `python -m ds_all._compat_gen`; do not edit
 """DeepSpeed's ``deepspeed.sequence.layer``: ds-parallel's Ulysses attention (``DistributedAttention``) and
 its differentiable all-to-all (DeepSpeed's private ``_SeqAllToAll``, which Megatron-DeepSpeed calls)."""
 

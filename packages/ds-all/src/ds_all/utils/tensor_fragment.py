@@ -1,3 +1,4 @@
+# generated from ds_all/_deepspeed_paths.py by `python -m ds_all._compat_gen`; do not edit
 """DeepSpeed's ``deepspeed.utils.tensor_fragment``: the state-access functions (`ds_zero`'s), which read and
 write a parameter's float32 master weights, gradient and optimizer states wherever ZeRO keeps them."""
 

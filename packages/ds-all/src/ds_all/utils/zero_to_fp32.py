@@ -1,3 +1,4 @@
+# generated from ds_all/_deepspeed_paths.py by `python -m ds_all._compat_gen`; do not edit
 """DeepSpeed's ``deepspeed.utils.zero_to_fp32``: the float32 weights of a ZeRO checkpoint (ds-zero's export,
 any stage and world size), as a state dict or loaded into a model. The command line is ``ds-zero-to-fp32``."""
 

@@ -1,3 +1,4 @@
+# generated from ds_all/_deepspeed_paths.py by `python -m ds_all._compat_gen`; do not edit
 """DeepSpeed's ``deepspeed.runtime.fp16.unfused_optimizer``: ``FP16_UnfusedOptimizer``, true of an engine's
 optimizer at stage 0 in fp16 over an optimizer other than a fused Adam (ds-zero's `ZeroOptimizer`; see
 ``ds_all._optimizer_kinds``)."""

@@ -1,3 +1,4 @@
+# generated from ds_all/_deepspeed_paths.py by `python -m ds_all._compat_gen`; do not edit
 """DeepSpeed's ``deepspeed.runtime.data_pipeline.data_routing.utils``: its gather/scatter helpers are not built
 (ds-data's `RandomLayerTokenDrop` gathers and scatters the kept tokens itself); importing them is an ImportError
 naming them."""
