@@ -43,7 +43,9 @@ import torch.multiprocessing as mp
 EXIT_TIMEOUT_S = 30.0  # how long ranks that reported may take to exit
 # What the fork server imports once, so that no rank imports it again: torch (and its distributed
 # package) is most of a rank's start-up; it runs no parallel region there, so forking it is safe.
-_PRELOAD = ["torch", "torch.distributed"]
+# torch.distributed.checkpoint too (about 4 s with DTensor and sympy): ds-zero imports it only when a
+# checkpoint is saved or loaded, which the ranks of many tests do, each paying it again without this.
+_PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint"]
 
 
 class RankFailed(RuntimeError):
