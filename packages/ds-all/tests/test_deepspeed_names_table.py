@@ -160,3 +160,29 @@ def test_the_hand_pinned_paths_are_in_the_table():
     stars = {f"ds_all.{path}" for path, entry in DEEPSPEED.items() if entry.star}
     outside = [(p, n) for p, n in pinned if (p, n) not in table and p not in stars]
     assert outside == []
+
+
+def test_the_table_getters_are_methods_reading_their_config_value():
+    """``CONFIG_GETTERS``: each is a real method of DeepSpeedEngine, named and documented, returning the value
+    a DeepSpeed config gives at its path (values unlike the defaults, so a wrong path shows)."""
+    from types import SimpleNamespace
+
+    from ds_all import Config, DeepSpeedEngine
+    from ds_all._engine_getters import CONFIG_GETTERS, EngineGetters
+
+    for name, path in CONFIG_GETTERS.items():
+        method = getattr(DeepSpeedEngine, name)
+        assert callable(method) and method.__name__ == name and path in method.__doc__
+        assert vars(EngineGetters)[name] is method
+    config = Config.load({"train_batch_size": 8, "fp16": {"enabled": True, "auto_cast": True},
+                          "zero_optimization": {"stage": 2, "reduce_bucket_size": 12345, "overlap_comm": False,
+                                                "use_multi_rank_bucket_allreduce": False},
+                          "flops_profiler": {"top_modules": 7, "output_file": "flops.txt"},
+                          "dataloader_drop_last": True})
+    engine = SimpleNamespace(config=config)
+    got = {name: EngineGetters.__dict__[name](engine) for name in (
+        "fp16_auto_cast", "zero_reduce_bucket_size", "zero_overlap_comm", "zero_multi_rank_bucket_allreduce",
+        "flops_profiler_top_modules", "flops_profiler_output_file", "dataloader_drop_last")}
+    assert got == {"fp16_auto_cast": True, "zero_reduce_bucket_size": 12345, "zero_overlap_comm": False,
+                   "zero_multi_rank_bucket_allreduce": False, "flops_profiler_top_modules": 7,
+                   "flops_profiler_output_file": "flops.txt", "dataloader_drop_last": True}

@@ -8,6 +8,7 @@ that would use it raise `NotImplementedError` naming it. A mixin of `EngineAPI` 
 from __future__ import annotations
 
 import logging
+import operator
 import os
 from typing import Any
 
@@ -26,6 +27,87 @@ def _setting(section: Any, name: str, default: Any) -> Any:
     return getattr(section, name, default) if section is not None else default
 
 
+# DeepSpeed's getters that are one config value: ``engine.<name>()`` returns the config's ``<path>`` (each is a
+# method of `EngineGetters`, installed below with its name and a docstring)
+CONFIG_GETTERS: dict[str, str] = {
+    "use_node_local_storage": "checkpoint.use_node_local_storage",
+    "load_universal_checkpoint": "checkpoint.load_universal",
+    "dataloader_drop_last": "dataloader_drop_last",
+    "dump_state": "dump_state",
+    "gradient_predivide_factor": "gradient_predivide_factor",
+    "fp16_master_weights_and_gradients": "fp16.fp16_master_weights_and_grads",
+    "bf16_master_weights_and_gradients": "bf16.bf16_master_weights_and_grads",
+    "bf16_optimizer_states": "bf16.bf16_optimizer_states",
+    "fp16_auto_cast": "fp16.auto_cast",
+    "zero_allow_untested_optimizer": "zero_allow_untested_optimizer",
+    "zero_force_ds_cpu_optimizer": "zero_force_ds_cpu_optimizer",
+    "aio_config": "aio",
+    "flops_profiler_enabled": "flops_profiler.enabled",
+    "flops_profiler_recompute_fwd_factor": "flops_profiler.recompute_fwd_factor",
+    "flops_profiler_profile_step": "flops_profiler.profile_step",
+    "flops_profiler_module_depth": "flops_profiler.module_depth",
+    "flops_profiler_top_modules": "flops_profiler.top_modules",
+    "flops_profiler_detailed": "flops_profiler.detailed",
+    "flops_profiler_output_file": "flops_profiler.output_file",
+    "curriculum_enabled_legacy": "curriculum_learning.enabled",
+    "pld_enabled": "progressive_layer_drop.enabled",
+    "pld_theta": "progressive_layer_drop.theta",
+    "pld_gamma": "progressive_layer_drop.gamma",
+    "data_efficiency_enabled": "data_efficiency.enabled",
+    "data_sampling_enabled": "data_efficiency.data_sampling.enabled",
+    "curriculum_learning_enabled": "data_efficiency.data_sampling.curriculum_learning.enabled",
+    "random_ltd_enabled": "data_efficiency.data_routing.random_ltd.enabled",
+    "autotuning_enabled": "autotuning.enabled",
+    "autotuning_start_profile_step": "autotuning.start_profile_step",
+    "autotuning_end_profile_step": "autotuning.end_profile_step",
+    "autotuning_metric": "autotuning.metric",
+    "zero_reduce_scatter": "zero_optimization.reduce_scatter",
+    "zero_overlap_comm": "zero_optimization.overlap_comm",
+    "zero_offload_optimizer": "zero_optimization.offload_optimizer",
+    "zero_offload_param": "zero_optimization.offload_param",
+    "zero_sub_group_size": "zero_optimization.sub_group_size",
+    "zero_reduce_bucket_size": "zero_optimization.reduce_bucket_size",
+    "zero_multi_rank_bucket_allreduce": "zero_optimization.use_multi_rank_bucket_allreduce",
+    "zero_allgather_bucket_size": "zero_optimization.allgather_bucket_size",
+    "zero_compute_grad_norm": "zero_optimization.compute_grad_norm",
+    "zero_contiguous_gradients": "zero_optimization.contiguous_gradients",
+    "zero_load_from_fp32_weights": "zero_optimization.load_from_fp32_weights",
+    "zero_elastic_checkpoint": "zero_optimization.elastic_checkpoint",
+    "zero_max_live_parameters": "zero_optimization.max_live_parameters",
+    "zero_max_reuse_distance": "zero_optimization.max_reuse_distance",
+    "zero_prefetch_bucket_size": "zero_optimization.prefetch_bucket_size",
+    "zero_module_granularity_threshold": "zero_optimization.module_granularity_threshold",
+    "zero_param_persistence_threshold": "zero_optimization.param_persistence_threshold",
+    "zero_model_persistence_threshold": "zero_optimization.model_persistence_threshold",
+    "zero_gather_16bit_weights_on_model_save": "zero_optimization.gather_16bit_weights_on_model_save",
+    "zero_legacy_stage1": "zero_optimization.legacy_stage1",
+    "zero_ignore_unused_parameters": "zero_optimization.ignore_unused_parameters",
+    "zero_save_muon_momentum_buffer_in_memory": "zero_optimization.save_muon_momentum_buffer_in_memory",
+    "zero_allgather_partitions": "zero_optimization.allgather_partitions",
+    "zero_round_robin_gradients": "zero_optimization.round_robin_gradients",
+    "zero_parameter_alignment": "zero_optimization.parameter_alignment",
+    "zero_hpz_partition_size": "zero_optimization.zero_hpz_partition_size",
+    "zero_quantized_weights": "zero_optimization.zero_quantized_weights",
+    "zero_quantized_nontrainable_weights": "zero_optimization.zero_quantized_nontrainable_weights",
+    "zero_quantized_gradients": "zero_optimization.zero_quantized_gradients",
+    "zero_log_trace_cache_warnings": "zero_optimization.log_trace_cache_warnings",
+    "zero_allgather_sequential": "zero_optimization.allgather_sequential",
+    "is_sanity_checks_enabled": "zero_optimization.enable_sanity_checks",
+    "zenflow_config": "zero_optimization.zenflow",
+}
+
+
+def _config_getter(name: str, path: str) -> Any:
+    get = operator.attrgetter(path)
+
+    def getter(self: Any) -> Any:
+        return get(self.config)
+
+    getter.__name__, getter.__qualname__ = name, f"EngineGetters.{name}"
+    getter.__doc__ = f"DeepSpeed's ``engine.{name}()``: the config's ``{path}``."
+    return getter
+
+
 def not_built(call: str, feature: str) -> NotImplementedError:
     from ._version import DS_VERSION
 
@@ -35,7 +117,7 @@ def not_built(call: str, feature: str) -> NotImplementedError:
 class EngineGetters:
     """DeepSpeed's configuration getters and the calls of features not built (see the module docstring)."""
 
-    # ------------------------------------------------------------------------- config getters
+    # --------------------------------- config getters (those that are one config value: CONFIG_GETTERS)
     def checkpoint_serialization_enabled(self) -> bool:
         return bool(_setting(self.config.checkpoint, "checkpoint_serialization", True))
 
@@ -48,18 +130,6 @@ class EngineGetters:
     def checkpoint_tag_validation_fail(self) -> bool:
         return self.config.checkpoint.tag_validation == "Fail"
 
-    def use_node_local_storage(self) -> bool:
-        return self.config.checkpoint.use_node_local_storage
-
-    def load_universal_checkpoint(self) -> bool:
-        return self.config.checkpoint.load_universal
-
-    def dataloader_drop_last(self) -> bool:
-        return self.config.dataloader_drop_last
-
-    def dump_state(self) -> bool:
-        return self.config.dump_state
-
     def memory_breakdown(self) -> bool:
         return False  # refused by the config when on
 
@@ -71,9 +141,6 @@ class EngineGetters:
 
     def postscale_gradients(self) -> bool:
         return not self.config.prescale_gradients
-
-    def gradient_predivide_factor(self) -> float:
-        return self.config.gradient_predivide_factor
 
     def get_data_types(self) -> tuple[torch.dtype, torch.dtype]:
         """``(model dtype, gradient accumulation dtype)``."""
@@ -90,18 +157,6 @@ class EngineGetters:
         return isinstance(obj, torch.utils.data.IterableDataset)
 
     # precision
-    def fp16_master_weights_and_gradients(self) -> bool:
-        return self.config.fp16.fp16_master_weights_and_grads
-
-    def bf16_master_weights_and_gradients(self) -> bool:
-        return self.config.bf16.bf16_master_weights_and_grads
-
-    def bf16_optimizer_states(self) -> bool:
-        return self.config.bf16.bf16_optimizer_states
-
-    def fp16_auto_cast(self) -> bool:
-        return self.config.fp16.auto_cast
-
     def loss_scale(self) -> float:
         """The config's ``fp16.loss_scale`` (0: dynamic), as DeepSpeed's; the current scale is
         ``engine.optimizer.loss_scale``."""
@@ -138,26 +193,8 @@ class EngineGetters:
     def zero_optimization(self) -> bool:
         return self.config.zero_optimization.stage > 0
 
-    def zero_allow_untested_optimizer(self) -> bool:
-        return self.config.zero_allow_untested_optimizer
-
-    def zero_force_ds_cpu_optimizer(self) -> bool:
-        return self.config.zero_force_ds_cpu_optimizer
-
     def _zero(self, key: str) -> Any:
         return getattr(self.config.zero_optimization, key)
-
-    def zero_reduce_scatter(self) -> bool:
-        return self._zero("reduce_scatter")
-
-    def zero_overlap_comm(self) -> bool | None:
-        return self._zero("overlap_comm")
-
-    def zero_offload_optimizer(self) -> Any:
-        return self._zero("offload_optimizer")
-
-    def zero_offload_param(self) -> Any:
-        return self._zero("offload_param")
 
     def zero_use_cpu_optimizer(self) -> bool:
         offload = self._zero("offload_optimizer")
@@ -180,21 +217,6 @@ class EngineGetters:
         offload = self._zero("offload_optimizer")
         return offload is not None and offload.device == "nvme"
 
-    def zero_sub_group_size(self) -> int:
-        return self._zero("sub_group_size")
-
-    def zero_reduce_bucket_size(self) -> int:
-        return self._zero("reduce_bucket_size")
-
-    def zero_multi_rank_bucket_allreduce(self) -> bool:
-        return self._zero("use_multi_rank_bucket_allreduce")
-
-    def zero_allgather_bucket_size(self) -> int:
-        return self._zero("allgather_bucket_size")
-
-    def zero_compute_grad_norm(self) -> bool:
-        return self._zero("compute_grad_norm")
-
     def zero_optimization_partition_gradients(self) -> bool:
         return self.zero_optimization_stage() >= 2
 
@@ -204,120 +226,17 @@ class EngineGetters:
     def is_first_weights_partition_group(self) -> bool:
         return self.zero_optimization_partition_weights()
 
-    def zero_contiguous_gradients(self) -> bool:
-        return self._zero("contiguous_gradients")
-
-    def zero_load_from_fp32_weights(self) -> bool:
-        return self._zero("load_from_fp32_weights")
-
-    def zero_elastic_checkpoint(self) -> bool:
-        return self._zero("elastic_checkpoint")
-
-    def zero_max_live_parameters(self) -> int:
-        return self._zero("max_live_parameters")
-
-    def zero_max_reuse_distance(self) -> int:
-        return self._zero("max_reuse_distance")
-
-    def zero_prefetch_bucket_size(self) -> int:
-        return self._zero("prefetch_bucket_size")
-
-    def zero_module_granularity_threshold(self) -> int:
-        return self._zero("module_granularity_threshold")
-
-    def zero_param_persistence_threshold(self) -> int:
-        return self._zero("param_persistence_threshold")
-
-    def zero_model_persistence_threshold(self) -> int:
-        return self._zero("model_persistence_threshold")
-
-    def zero_gather_16bit_weights_on_model_save(self) -> bool:
-        return self._zero("gather_16bit_weights_on_model_save")
-
-    def zero_legacy_stage1(self) -> bool:
-        return self._zero("legacy_stage1")
-
-    def zero_ignore_unused_parameters(self) -> bool:
-        return self._zero("ignore_unused_parameters")
-
-    def zero_save_muon_momentum_buffer_in_memory(self) -> bool:
-        return self._zero("save_muon_momentum_buffer_in_memory")
-
-    def zero_allgather_partitions(self) -> bool:
-        return self._zero("allgather_partitions")
-
-    def zero_round_robin_gradients(self) -> bool:
-        return self._zero("round_robin_gradients")
-
-    def zero_parameter_alignment(self) -> bool:
-        return self._zero("parameter_alignment")
-
-    def zero_hpz_partition_size(self) -> int:
-        return self._zero("zero_hpz_partition_size")
-
-    def zero_quantized_weights(self) -> bool:
-        return self._zero("zero_quantized_weights")
-
-    def zero_quantized_nontrainable_weights(self) -> bool:
-        return self._zero("zero_quantized_nontrainable_weights")
-
-    def zero_quantized_gradients(self) -> bool:
-        return self._zero("zero_quantized_gradients")
-
-    def zero_log_trace_cache_warnings(self) -> bool:
-        return self._zero("log_trace_cache_warnings")
-
-    def zero_allgather_sequential(self) -> bool:
-        return self._zero("allgather_sequential")
-
-    def is_sanity_checks_enabled(self) -> bool:
-        return self._zero("enable_sanity_checks")
-
-    def zenflow_config(self) -> Any:
-        return self._zero("zenflow")
-
-    def aio_config(self) -> Any:
-        return self.config.aio
-
     def swap_tensor_config(self) -> Any:
         raise NotImplementedError("engine.swap_tensor_config: DeepSpeed 0.19.8's own engine.swap_tensor_config() "
                                   "fails (its config has no swap_tensor_config); the swap settings are "
                                   "zero_offload_optimizer(), zero_offload_param() and aio_config()")
 
-    # the flops profiler (ds-profiler's section)
-    def flops_profiler_enabled(self) -> bool:
-        return self.config.flops_profiler.enabled
-
-    def flops_profiler_recompute_fwd_factor(self) -> float:
-        return self.config.flops_profiler.recompute_fwd_factor
-
-    def flops_profiler_profile_step(self) -> int:
-        return self.config.flops_profiler.profile_step
-
-    def flops_profiler_module_depth(self) -> int:
-        return self.config.flops_profiler.module_depth
-
-    def flops_profiler_top_modules(self) -> int:
-        return self.config.flops_profiler.top_modules
-
-    def flops_profiler_detailed(self) -> bool:
-        return self.config.flops_profiler.detailed
-
-    def flops_profiler_output_file(self) -> str | None:
-        return self.config.flops_profiler.output_file
-
     # ds-data's sections: the legacy curriculum and progressive layer dropping (DeepSpeed's getters)
-    def curriculum_enabled_legacy(self) -> bool:
-        return self.config.curriculum_learning.enabled
-
     def curriculum_params_legacy(self) -> dict[str, Any] | bool:
         """The section without ``enabled``; False when the config has no ``curriculum_learning`` (DeepSpeed's)."""
         if "curriculum_learning" not in self.config.model_fields_set:
             return False
         return self.config.curriculum_learning.params()
-
-    def pld_enabled(self) -> bool:
-        return self.config.progressive_layer_drop.enabled
 
     def pld_params(self) -> dict[str, float] | bool:
         """``{"theta", "gamma"}``; False when the config has no ``progressive_layer_drop`` (DeepSpeed's)."""
@@ -325,29 +244,11 @@ class EngineGetters:
             return False
         return self.config.progressive_layer_drop.params()
 
-    def pld_theta(self) -> float:
-        return self.config.progressive_layer_drop.theta
-
-    def pld_gamma(self) -> float:
-        return self.config.progressive_layer_drop.gamma
-
     def get_pld_theta(self) -> float | None:
         """The keep ratio the next forward gets; None without progressive layer dropping."""
         return self.progressive_layer_drop.get_theta() if self.progressive_layer_drop is not None else None
 
     # --------------------------------------------------- features ds has not built: off, or raise
-    def data_efficiency_enabled(self) -> bool:
-        return self.config.data_efficiency.enabled
-
-    def data_sampling_enabled(self) -> bool:
-        return self.config.data_efficiency.data_sampling.enabled
-
-    def curriculum_learning_enabled(self) -> bool:
-        return self.config.data_efficiency.data_sampling.curriculum_learning.enabled
-
-    def random_ltd_enabled(self) -> bool:
-        return self.config.data_efficiency.data_routing.random_ltd.enabled
-
     def data_efficiency_config(self) -> dict[str, Any]:
         """The ``data_efficiency`` section as a dict, every key with its value or default (as DeepSpeed's)."""
         return self.config.data_efficiency.model_dump()
@@ -391,27 +292,15 @@ class EngineGetters:
                         moe, first, second, gate)
 
     # ---- autotuning (the section ds-autotune's experiments run with; ds_all/_autotuning.py profiles)
-    def autotuning_enabled(self) -> bool:
-        return self.config.autotuning.enabled
-
     def autotuning_profile_model_info(self) -> bool:
         info = self.config.autotuning.model_info
         return bool(self.autotuning_enabled() and info is not None and info.profile)
-
-    def autotuning_start_profile_step(self) -> int:
-        return self.config.autotuning.start_profile_step
-
-    def autotuning_end_profile_step(self) -> int:
-        return self.config.autotuning.end_profile_step
 
     def autotuning_metric_path(self) -> str:
         return self.config.autotuning.metric_path or os.path.join(os.getcwd(), "autotuning_metric.json")
 
     def autotuning_model_info_path(self) -> str:
         return self.config.autotuning.model_info_path or os.path.join(os.getcwd(), "autotuning_model_info.json")
-
-    def autotuning_metric(self) -> str:
-        return self.config.autotuning.metric
 
     def tensor_parallel_config(self) -> Any:
         """The ``tensor_parallel`` section (`TensorParallelConfig`)."""
@@ -468,3 +357,8 @@ class EngineGetters:
     def get_deepspeed_compile_backend(self, *args: Any, **kwargs: Any) -> Any:
         raise not_built("get_deepspeed_compile_backend", "DeepCompile")
 
+
+for _name, _path in CONFIG_GETTERS.items():
+    if _name in vars(EngineGetters):
+        raise RuntimeError(f"EngineGetters.{_name} is written by hand and in CONFIG_GETTERS")
+    setattr(EngineGetters, _name, _config_getter(_name, _path))
