@@ -37,17 +37,15 @@ Trainer's checkpoints, and ``deepspeed.utils.zero_to_fp32`` for the export.
 
 from __future__ import annotations
 
-import importlib
-import importlib.abc
 import importlib.machinery
 import importlib.metadata
-import importlib.util
 import os
 import pathlib
 import sys
 from typing import Any
 
 import ds_all
+from ds_launch.alias_finder import AliasFinder
 
 from .._version import DEEPSPEED_API_VERSION
 
@@ -85,34 +83,14 @@ def _is_deepspeed(name: str | None) -> bool:
     return name is not None and name.lower().replace("-", "_").replace(".", "_") == _ALIAS
 
 
-class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """``deepspeed.X`` is ``ds_all.X`` (the module itself); ``deepspeed``'s distribution metadata."""
+class _Finder(AliasFinder):
+    """``deepspeed.X`` is ``ds_all.X`` (the module itself, ds-launch's finder); ``deepspeed``'s distribution
+    metadata."""
 
     ds_all_hf_trainer = True
 
     def __init__(self) -> None:
-        self._real_specs: dict[str, Any] = {}
-
-    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
-        if not fullname.startswith(_ALIAS + "."):
-            return None
-        try:
-            real = importlib.util.find_spec(_TARGET + fullname[len(_ALIAS):])
-        except ModuleNotFoundError:
-            return None
-        if real is None:
-            return None  # Python then says "No module named 'deepspeed.X'"
-        return importlib.machinery.ModuleSpec(fullname, self, is_package=real.submodule_search_locations is not None)
-
-    def create_module(self, spec: Any) -> Any:
-        module = importlib.import_module(_TARGET + spec.name[len(_ALIAS):])
-        self._real_specs[spec.name] = module.__spec__
-        return module
-
-    def exec_module(self, module: Any) -> None:
-        # The import system has just given the module the alias's spec: give it back its own, so
-        # ds_all.X keeps its identity (reload, pickling by reference, multiprocessing's spawn).
-        module.__spec__ = self._real_specs.pop(module.__spec__.name)
+        super().__init__(_ALIAS, _TARGET)
 
     def find_distributions(self, context: Any = None) -> list:
         name = getattr(context, "name", None)

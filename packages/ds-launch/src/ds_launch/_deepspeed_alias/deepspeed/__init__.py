@@ -7,13 +7,12 @@ metadata comes with it: ``importlib.metadata.version("deepspeed")`` still says D
 installed, so pip and version checks are not fooled.
 
 This file runs only in the ranks; ds-launch itself never imports it nor ds_all (whose name is
-held in a variable below, not written in an import statement).
+held in a variable below, not written in an import statement). The finder is ds-launch's
+`ds_launch.alias_finder.AliasFinder`, which ds_all.hf.trainer uses too.
 """
 
 import importlib
-import importlib.abc
 import importlib.machinery
-import importlib.util
 import os
 import sys
 
@@ -32,37 +31,6 @@ def _refuse_a_real_deepspeed() -> None:
                           "run without --deepspeed_alias", name=_ALIAS)
 
 
-class _AliasFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Finds ``deepspeed.X`` as ``ds_all.X`` and hands out the ``ds_all.X`` module itself."""
-
-    ds_launch_alias = True
-
-    def __init__(self) -> None:
-        self._real_specs = {}
-
-    def find_spec(self, fullname, path=None, target=None):
-        if not fullname.startswith(_ALIAS + "."):
-            return None
-        try:
-            real = importlib.util.find_spec(_TARGET + fullname[len(_ALIAS):])
-        except ModuleNotFoundError:
-            return None
-        if real is None:
-            return None  # Python says "No module named 'deepspeed.X'"
-        return importlib.machinery.ModuleSpec(fullname, self, is_package=real.submodule_search_locations is not None)
-
-    def create_module(self, spec):
-        module = importlib.import_module(_TARGET + spec.name[len(_ALIAS):])
-        self._real_specs[spec.name] = module.__spec__
-        return module
-
-    def exec_module(self, module):
-        # The import system has just set the module's __spec__ to the alias's: give it back its own,
-        # so ds_all.X keeps its identity (reload, pickling by reference, multiprocessing's spawn).
-        alias = module.__spec__.name
-        module.__spec__ = self._real_specs.pop(alias)
-
-
 def _install():
     _refuse_a_real_deepspeed()
     try:
@@ -72,8 +40,13 @@ def _install():
             raise
         raise ModuleNotFoundError(f"{_FLAG}: `import deepspeed` maps to ds_all, which is not installed in "
                                   f"{sys.executable}: pip install ds-all", name=_ALIAS) from None
+    # ds-launch's finder, installed with ds_all (ds-all depends on ds-launch)
+    from ds_launch.alias_finder import AliasFinder
+
     if not any(getattr(finder, "ds_launch_alias", False) for finder in sys.meta_path):
-        sys.meta_path.insert(0, _AliasFinder())  # before the path finder, which would load a second copy
+        finder = AliasFinder(_ALIAS, _TARGET)
+        finder.ds_launch_alias = True  # this launch's, found again by a second import of this package
+        sys.meta_path.insert(0, finder)  # before the path finder, which would load a second copy
     sys.modules[_ALIAS] = target  # what `import deepspeed` returns
 
 
