@@ -10,7 +10,9 @@ the levels it covered and what each counted.
 
 Kernels: Adam with float32 states on its three call paths (the classes, ``adam_step`` unscaled, scaled with
 and without its finite check) and with bf16 states, the finite check, the 16-bit copy-out, stochastic
-rounding, Adagrad, Lion, LAMB, 1-bit pack/unpack, block-sparse attention (forward and backward).
+rounding, Adagrad, Lion, LAMB, 1-bit pack/unpack, block-sparse attention (forward and backward), block quantization (int8
+and int4: quantize, dequantize, the k-tensor sum and its requantization; bit for bit against the torch
+reference, ``ds_ops._quantize_torch``).
 
 Inputs (``KINDS``): ordinary values; zeros; gradients of 1e-20 (second moments subnormal: the PR-MoE
 gate's first steps, where the AVX-512 Adam wrote nan); subnormal gradients; subnormal states;
@@ -37,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 import ds_ops
-from ds_ops import onebit
+from ds_ops import _quantize_torch, onebit
 from ds_ops.op_builder import system
 from ds_ops.op_builder.ops import CPUAdamBuilder
 from ds_ops.sparse_attention import DenseSparsityConfig, SparseSelfAttention
@@ -496,3 +498,86 @@ def test_sparse_attention_matches_sdpa(level, kind, head_dim):
                            ("dv", v.grad, vs.grad)):
             b = torch.where(b.isnan(), 0.0, b)  # SDPA's nan gradients of fully masked rows: ours are 0
             assert_ieee_close(a, b, rtol, atol[name], f"{name}, {what}")
+
+
+# ---- block quantization ---------------------------------------------------------------------------------
+QUANT_KINDS = ("normal", "zeros", "ties", "subnormal", "tiny_scale", "near_overflow", "nonfinite")
+QUANT_GROUPS = {8: (1, 7, 16, 33, 2048), 4: (2, 6, 16, 34, 2048)}  # odd, below, at and past a vector
+
+
+def quant_inputs(kind: str, n: int, seed: int) -> torch.Tensor:
+    """float32 inputs of one adversarial kind for the quantization kernels."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=gen)
+    if kind == "zeros":
+        x = torch.zeros(n)
+        x[1::3] = -0.0
+    elif kind == "ties":  # x / scale lands on k + 1/2 (absmax 127 or 7: the scale is 1)
+        x = (torch.randint(-20, 20, (n,), generator=gen).float() + 0.5).clamp(-6.5, 6.5)
+        x[::5] = 7.0
+    elif kind == "subnormal":
+        x = x * 1e-39
+    elif kind == "tiny_scale":  # absmax just above and below where absmax / 127 underflows
+        x = x * 2.0**-140
+        x[::9] = 1e-44
+    elif kind == "near_overflow":
+        x = x * 1e38
+        x[::4] = torch.finfo(torch.float32).max
+    elif kind == "nonfinite":
+        for i, value in zip(range(0, n, 11), (math.inf, -math.inf, math.nan) * n, strict=False):
+            x[i] = value
+    return x
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal values, nan where the other has nan (the kernels' nan and torch's are both quiet nans)."""
+    a, b = a.float(), b.float()
+    return torch.equal(a.isnan(), b.isnan()) and torch.equal(a[~a.isnan()].view(torch.int32),
+                                                             b[~b.isnan()].view(torch.int32))
+
+
+@pytest.mark.parametrize("kind", QUANT_KINDS)
+@pytest.mark.parametrize("bits", [8, 4])
+def test_block_quantization_is_the_reference_bit_for_bit(level, kind, bits):
+    """quantize and dequantize (float32, float16, bfloat16 in and out) at every size to 2 vectors + 1 and
+    100 003 elements (1-3 threads), groups odd (int8), below, at and past a vector; unaligned inputs."""
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        for group in QUANT_GROUPS[bits]:
+            for n, threads, offset in cases(kind):
+                if n > 1000 and group < 16:
+                    continue
+                torch.set_num_threads(threads)
+                x = unaligned(quant_inputs(kind, n, seed=n + group).to(dtype), offset)
+                q, scales = ds_ops.quantize_blockwise(x, group, bits)
+                rq, rscales = _quantize_torch.quantize(x, group, bits)
+                what = f"{level} {kind} int{bits} {dtype} group={group} n={n} threads={threads}"
+                assert torch.equal(q, rq), f"q differs, {what}: {(q != rq).nonzero().flatten()[:8].tolist()}"
+                assert same_bits(scales, rscales), f"scales differ, {what}"
+                y = ds_ops.dequantize_blockwise(q, scales, n, group, bits, dtype)
+                assert same_bits(y, _quantize_torch.dequantize(rq, rscales, n, group, bits, dtype)), \
+                    f"dequantized values differ, {what}"
+
+
+@pytest.mark.parametrize("kind", ["normal", "ties", "subnormal", "near_overflow", "nonfinite"])
+@pytest.mark.parametrize("bits", [8, 4])
+def test_block_quantized_sums_are_the_reference_bit_for_bit(level, kind, bits):
+    """The k-tensor sum (k = 1, 2, 3) into each float dtype, and requantized into int8 and int4: sums of
+    huge values overflow to inf (their group then nan), nan propagates."""
+    for k in (1, 2, 3):
+        for group in QUANT_GROUPS[bits][1:]:
+            for n, threads, _offset in cases(kind):
+                if n % 3 or (n > 1000 and group < 16):
+                    continue
+                torch.set_num_threads(threads)
+                parts = [_quantize_torch.quantize(quant_inputs(kind, n, seed=n + t), group, bits) for t in range(k)]
+                q, scales = torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts])
+                what = f"{level} {kind} int{bits} k={k} group={group} n={n} threads={threads}"
+                for dtype in (torch.float32, torch.bfloat16, torch.float16):
+                    total = ds_ops.dequantize_sum_blockwise(q, scales, n, group, bits, dtype)
+                    assert same_bits(total, _quantize_torch.dequantize_sum(q, scales, n, group, bits).to(dtype)), \
+                        f"sum into {dtype} differs, {what}"
+                for out_bits in ((8, 4) if group % 2 == 0 else (8,)):
+                    rq, rs = ds_ops.requantize_sum_blockwise(q, scales, n, group, bits, out_bits)
+                    eq, es = _quantize_torch.quantize(_quantize_torch.dequantize_sum(q, scales, n, group, bits),
+                                                      group, out_bits)
+                    assert torch.equal(rq, eq) and same_bits(rs, es), f"requantized int{out_bits} differs, {what}"

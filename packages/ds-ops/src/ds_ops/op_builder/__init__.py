@@ -17,6 +17,7 @@ from .ops import (
     FusedAdamBuilder,
     FusedLambBuilder,
     OneBitBuilder,
+    QuantizeBuilder,
     SparseAttentionBuilder,
 )
 from .system import OpBuildError, cache_root
@@ -32,6 +33,7 @@ __all__ = [
     "OneBitBuilder",
     "OpBuildError",
     "OpBuilder",
+    "QuantizeBuilder",
     "SparseAttentionBuilder",
     "cache_root",
     "csrc_root",

@@ -71,6 +71,21 @@ class OneBitBuilder(OpBuilder):
         return ["-ffp-contract=off"]
 
 
+class QuantizeBuilder(OpBuilder):
+    NAME = "quantize"
+    DESCRIPTION = "block quantization (int8/int4, a scale per group) on CPU buffers: ZeRO++'s qwZ and qgZ"
+
+    def sources(self) -> list[Path]:
+        return [csrc_root() / "quantize" / name for name in ("quantize.cpp", "module.cpp")]
+
+    def include_dirs(self) -> list[Path]:
+        return [csrc_root() / "common", csrc_root() / "quantize"]
+
+    def extra_cxx_flags(self) -> list[str]:
+        # every float32 operation rounded on its own, as in the torch reference (no fused multiply-add)
+        return ["-ffp-contract=off"]
+
+
 class FusedAdamBuilder(CPUAdamBuilder):
     """DeepSpeed's ``FusedAdamBuilder`` (its name ``fused_adam``). ds's `FusedAdam` runs the ``cpu_adam``
     kernel on CPU tensors and torch's fused kernel on a device, so this builder is the ``cpu_adam`` op
@@ -103,5 +118,5 @@ class FusedLambBuilder(CPULambBuilder):
 # The ops ds-report lists and `DS_BUILD_OPS=1` builds (DeepSpeed's names above are the same modules).
 BUILDERS: dict[str, type[OpBuilder]] = {
     b.NAME: b for b in (CPUAdamBuilder, CPUAdagradBuilder, CPULionBuilder, CPULambBuilder, SparseAttentionBuilder,
-                        OneBitBuilder)
+                        OneBitBuilder, QuantizeBuilder)
 }
