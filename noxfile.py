@@ -12,27 +12,39 @@
 
 The README's test command is ``nox -t ci``: ``tests-rest``, the standalone sessions of
 ``STANDALONE_IN_CI``, ``lint``, ``demo`` and ``wheels`` (so that neither README command can break
-unseen); nox's summary gives each session's time. torch is pinned in every install (an unpinned
-torch pulls gigabytes of CUDA wheels).
+unseen), then ``summary``: one line with each session's time and tests, the skips by reason and the CPU.
+Every install goes through ``constraints.txt`` (torch among them: an unpinned torch pulls gigabytes of
+CUDA wheels); ``PACKAGES`` comes from ``packages/*/pyproject.toml`` (``scripts/repo_packages.py``).
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import json
 import os
 import shutil
+import sys
 import tempfile
+import time
 from pathlib import Path
 
 import nox
 from nox.command import CommandFailed
 
 ROOT = Path(__file__).parent
+sys.path.insert(0, str(ROOT / "scripts"))
+import ci_summary  # noqa: E402  (scripts/: the run's closing line)
+import repo_packages  # noqa: E402  (scripts/: the packages, from their pyproject.toml files)
+
 TORCH = "torch==2.13.0"
-TEST_DEPS = ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.5", "numpy", TORCH]
-# Packages in dependency order (lower layers first): one pip command installs them together.
-PACKAGES = ["ds-config", "ds-ops", "ds-profiler", "ds-launch", "ds-comm", "ds-io", "ds-compress", "ds-zero", "ds-pipe",
-            "ds-data", "ds-moe", "ds-parallel", "ds-autotune", "ds-all"]
-PACKAGES = [p for p in PACKAGES if (ROOT / "packages" / p / "pyproject.toml").exists()]
+# Every install below goes through it (`_install`), as do .ci/run's and the README's: versions change on purpose only.
+CONSTRAINTS = ROOT / "constraints.txt"
+TEST_DEPS = ["pytest", "pytest-timeout", "pytest-xdist", "numpy", TORCH]
+# Every folder under packages/ (each its own project), lower layers first, so one pip command installs them
+# together; a folder without a pyproject, named other than its project or missing from the layering test's
+# LAYERS fails here, naming it, before any session runs.
+PACKAGES = repo_packages.packages(ROOT)
 # Packages whose issue asks for "installable and testable alone" in the test command.
 STANDALONE_IN_CI = ["ds-config", "ds-launch", "ds-profiler", "ds-ops", "ds-comm", "ds-io", "ds-compress", "ds-zero",
                     "ds-pipe", "ds-data", "ds-moe", "ds-parallel", "ds-autotune"]
@@ -41,27 +53,49 @@ STANDALONE_IN_CI = ["ds-config", "ds-launch", "ds-profiler", "ds-ops", "ds-comm"
 # every package is installed, runs them (paths under the package's tests/).
 NEEDS_OTHER_PACKAGES = {"ds-comm": ["test_compressed.py",
                                     "test_exit.py::test_a_diagnosed_hang_ends_the_job_under_ds_launch"]}
-# Packages whose tests may run on several pytest workers (pytest-xdist) when DS_TEST_WORKERS says how many:
-# the long suites, whose tests leave a core idle much of the time (one-process tests, compiler runs, process
-# start-up). Measured on 2 cores with 2 workers: ds-all 731 -> 558 s, ds-ops 285 -> 190 s, ds-zero 361 -> 296 s.
-# Off by default (CI too): the load it adds found two races (both fixed) in its first runs, and a run that
-# fails on a third costs more than the minutes it saves. ds-comm and ds-launch time hangs and launches: never.
+# Packages whose tests run on a pytest worker per core (pytest-xdist, at most 2; DS_TEST_WORKERS overrides): the
+# long suites, whose tests leave a core idle much of the time (one-process tests, compiler runs, process start-up).
+# Measured on 2 cores with 2 workers: ds-all 731 -> 558 s, ds-ops 285 -> 190 s, ds-zero 361 -> 296 s. The two races
+# and the hang the added load found are fixed (10b1c84: the demo's ranks timed bf16 each on its own; 1a7ba5c:
+# stage 3's check groups made in different orders). ds-comm and ds-launch time hangs and launches: one process.
 PARALLEL_TESTS = {"ds-all", "ds-ops", "ds-zero"}
 WHEELHOUSE = ROOT / ".nox" / "wheelhouse"
+# torch (and its dependencies) installed once per constraints file and reused by every session's virtualenv
+# through a .pth file: a torch wheel unpacked into each of CI's 16 virtualenvs cost about 10 s each. What a
+# session tests is its ds packages, installed into its own virtualenv as before; pip sees torch as present.
+SHARED_TORCH = ROOT / ".nox" / "_shared-torch"
+# What each session of this nox run measured (its time, its pytest results), read by the `summary` session.
+RESULTS = ROOT / ".nox" / "_results" / str(os.getpid())
+RUN_START = time.time()  # nox reads this file once, as the run starts
 
 nox.options.error_on_missing_interpreters = True
 nox.options.sessions = ["tests"]
 
 
-def _install(session: nox.Session, *args: str) -> None:
-    """``pip install`` without byte-compiling what it installs, and with Python free to write the
-    bytecode of what the session imports. pip compiles every file of every wheel (torch's thousands:
-    32 of the 45 s that installing the test dependencies took here, in each of CI's
-    virtualenvs); a session imports a fraction of them, compiled once on first import. The
-    environment may say PYTHONDONTWRITEBYTECODE (this one does), which would make every process
-    compile what it imports again: empty is unset to Python."""
+def _install(session: nox.Session, *args: str, constraints: Path = CONSTRAINTS, torch: bool = True) -> None:
+    """``pip install`` through the constraints file, torch from the shared install, without byte-compiling
+    what it installs, and with Python free to write the bytecode of what the session imports. pip compiles
+    every file of every wheel (torch's thousands: 32 of the 45 s that installing the test dependencies took
+    here, in each of CI's virtualenvs); a session imports a fraction of them, compiled once on first import.
+    The environment may say PYTHONDONTWRITEBYTECODE (this one does), which would make every process compile
+    what it imports again: empty is unset to Python. ``torch=False``: a session that needs no torch (ruff, build)."""
     session.env["PYTHONDONTWRITEBYTECODE"] = ""
-    session.install("--no-compile", *args)
+    if torch:
+        _use_shared_torch(session, constraints)
+    session.install("--no-compile", "-c", str(constraints), *args)
+
+
+def _use_shared_torch(session: nox.Session, constraints: Path) -> None:
+    """Put the shared torch install (made now if this constraints file has none yet) on the session's path."""
+    key = hashlib.sha256(constraints.read_bytes()).hexdigest()[:16]
+    target = SHARED_TORCH / key
+    if not (target / ".complete").exists():
+        shutil.rmtree(target, ignore_errors=True)
+        session.run("python", "-m", "pip", "install", "--quiet", "--no-compile", "-c", str(constraints), "--target",
+                    str(target), TORCH, silent=True)
+        (target / ".complete").write_text(TORCH + "\n")
+    purelib = session.run("python", "-c", "import sysconfig; print(sysconfig.get_path('purelib'))", silent=True)
+    Path(purelib.strip(), "_ds_shared_torch.pth").write_text(f"{target}\n")
 
 
 # The CPU features a kernel's bits may depend on (ds-ops builds with -march=native): logged before every pytest,
@@ -77,7 +111,12 @@ def _cpu_line() -> str:
         return "CPU: unknown (no /proc/cpuinfo)"
     model = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), "unknown")
     flags = next((line.split(":", 1)[1].split() for line in info if line.startswith("flags")), [])
-    return (f"CPU: {model}, {os.cpu_count()} cores; features: {' '.join(f for f in _CPU_FEATURES if f in flags)}; "
+    simd = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "below AVX2 (scalar kernels)"
+    extras = [name for flag, name in (("avx512_bf16", "BF16"), ("avx512_fp16", "FP16"), ("amx_bf16", "AMX-BF16"))
+              if flag in flags]
+    simd += f" with {'/'.join(extras)}" if extras else ""
+    return (f"CPU: {model}, {os.cpu_count()} cores, SIMD {simd}; features: "
+            f"{' '.join(f for f in _CPU_FEATURES if f in flags)}; "
             f"lacks: {' '.join(f for f in ('avx2', 'avx512f', 'avx512_bf16', 'amx_bf16') if f not in flags) or '-'}")
 
 
@@ -90,12 +129,12 @@ def _disk_line() -> str:
 
 
 def _workers() -> int:
-    """How many pytest workers a package in PARALLEL_TESTS gets: DS_TEST_WORKERS (unset, 0 or 1: one
-    process; a test may start 4 ranks of its own, so more workers than cores only adds load)."""
+    """How many pytest workers a package in PARALLEL_TESTS gets: DS_TEST_WORKERS (0 or 1: one process), else
+    one per core up to 2 (a test may start 4 ranks of its own, so more workers than cores only adds load)."""
     value = os.environ.get("DS_TEST_WORKERS", "")
     if value and not value.isdigit():
         raise ValueError(f"DS_TEST_WORKERS must be a whole number of pytest workers (0: none), got {value!r}")
-    return int(value) if value else 0
+    return int(value) if value else min(2, os.cpu_count() or 1)
 
 
 def _pytest(session: nox.Session, package: str, *args: str) -> None:
@@ -107,12 +146,33 @@ def _pytest(session: nox.Session, package: str, *args: str) -> None:
     # fails the session like any other failure, since every package has tests.
     # --durations: the slowest tests in the log, to keep the whole run under its 30 minutes
     # -rs: every skip with its reason (a SIMD level or a system package this machine lacks is visible)
-    session.run("pytest", *args, *spread, "-rs", "-p", "no:cacheprovider", "--durations=8", *session.posargs,
-                success_codes=[0])
+    # --junitxml: the counts and skip reasons of the run's summary line (the `summary` session)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    report = RESULTS / f"{session.name}.{package}.{len(list(RESULTS.glob(f'{session.name}.{package}.*')))}.xml"
+    session.run("pytest", *args, *spread, "-rs", "-p", "no:cacheprovider", "--durations=8", f"--junitxml={report}",
+                *session.posargs, success_codes=[0])
 
 
-# System packages the tests use, per package: installed with apt-get when missing and we are root,
-# else the tests that need them skip and say why (never silently).
+def _recorded(func):
+    """The session, leaving its end and outcome for the `summary` session."""
+
+    @functools.wraps(func)
+    def session_func(session: nox.Session) -> None:
+        ok = False
+        try:
+            func(session)
+            ok = True
+        finally:
+            RESULTS.mkdir(parents=True, exist_ok=True)
+            (RESULTS / f"{session.name}.json").write_text(json.dumps(
+                {"session": session.name, "run_start": RUN_START, "end": time.time(), "ok": ok}))
+
+    return session_func
+
+
+# System packages the tests use, per package: installed with apt-get when missing and we are root, else the
+# tests that need them skip and say why (never silently); under CI (the CI variable set and not "0"/"false") a
+# package still missing fails the session with its name, so a green CI run never hides those tests as skips.
 APT_NEEDS = {
     "ds-launch": {"sshd": "openssh-server", "ssh": "openssh-client", "pdsh": "pdsh"},  # real multi-node tests
     "ds-io": {"/usr/include/libaio.h": "libaio-dev"},  # Linux AIO; without it the op uses pread/pwrite
@@ -120,7 +180,8 @@ APT_NEEDS = {
 }
 
 
-def _ensure_system_packages(session: nox.Session, packages: list[str]) -> None:
+def _missing_system_packages(packages: list[str]) -> dict[str, str]:
+    """{apt package: what was looked for} of APT_NEEDS that this machine lacks."""
     wanted = {}
     for package in packages:
         for probe, apt_name in APT_NEEDS.get(package, {}).items():
@@ -128,19 +189,39 @@ def _ensure_system_packages(session: nox.Session, packages: list[str]) -> None:
                 shutil.which(probe) or Path(f"/usr/sbin/{probe}").exists())
             if not present:
                 wanted[apt_name] = probe
+    return wanted
+
+
+def _in_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
+
+
+def _ensure_system_packages(session: nox.Session, packages: list[str]) -> None:
+    wanted = _missing_system_packages(packages)
     if not wanted:
         return
     names = sorted(wanted)
+    why = None
     if os.geteuid() != 0 or not shutil.which("apt-get"):
-        session.warn(f"{', '.join(names)} missing and not installable here (needs root and apt-get): tests that need them skip")
+        why = "not installable here (needs root and apt-get)"
+    else:
+        env = {"DEBIAN_FRONTEND": "noninteractive"}
+        try:
+            session.run("apt-get", "update", "-q", external=True, env=env, silent=True)
+            session.run("apt-get", "install", "-y", "-q", "--no-install-recommends", *names, external=True, env=env,
+                        silent=True)
+        except CommandFailed:
+            why = "apt-get could not install them"
+        still = _missing_system_packages(packages)
+        if still and why is None:
+            why = f"still missing after apt-get ({', '.join(f'{k}: no {v}' for k, v in sorted(still.items()))})"
+    if why is None:
         return
-    env = {"DEBIAN_FRONTEND": "noninteractive"}
-    try:
-        session.run("apt-get", "update", "-q", external=True, env=env, silent=True)
-        session.run("apt-get", "install", "-y", "-q", "--no-install-recommends", *names, external=True, env=env,
-                    silent=True)
-    except CommandFailed:
-        session.warn(f"apt-get could not install {', '.join(names)}: tests that need them skip")
+    listed = ", ".join(f"{name} (for {wanted[name]})" for name in names)
+    if _in_ci():
+        session.error(f"system packages missing: {listed}; {why}. Under CI the tests that need them may not skip: "
+                      "install them (apt-get install " + " ".join(names) + ") or run without CI set")
+    session.warn(f"system packages missing: {listed}; {why}: the tests that need them skip")
 
 
 def _extras(package: str) -> dict[str, list[str]]:
@@ -157,20 +238,7 @@ def _test_extra(package: str) -> str:
 
 def _our_dependencies(package: str) -> list[str]:
     """The packages of this repository that ``package`` depends on, recursively (lower layers first)."""
-    import tomllib
-
-    found: list[str] = []
-
-    def visit(name: str) -> None:
-        project = tomllib.loads((ROOT / "packages" / name / "pyproject.toml").read_text())["project"]
-        for requirement in project.get("dependencies", []):
-            dep = requirement.split(">")[0].split("<")[0].split("=")[0].split("[")[0].strip()
-            if dep in PACKAGES and dep not in found:
-                visit(dep)
-                found.append(dep)
-
-    visit(package)
-    return found
+    return repo_packages.our_dependencies(ROOT, package, PACKAGES)
 
 
 def _test_editable(session: nox.Session, packages: list[str], also: dict[str, list[str]] | None = None) -> None:
@@ -192,12 +260,14 @@ def _test_editable(session: nox.Session, packages: list[str], also: dict[str, li
 
 
 @nox.session
+@_recorded
 def tests(session: nox.Session) -> None:
     """Every package editable in one virtualenv, then each package's tests (all of them)."""
     _test_editable(session, PACKAGES)
 
 
 @nox.session(name="tests-rest", tags=["ci"])
+@_recorded
 def tests_rest(session: nox.Session) -> None:
     """As ``tests``, for the packages without a standalone session in CI (those run their tests there),
     and the tests of those that need another package and skip there (NEEDS_OTHER_PACKAGES; the files
@@ -219,7 +289,7 @@ def _standalone(package: str):
         _pytest(session, package, "tests")
 
     session_func.__doc__ = f"Only {package} (and the ds packages it depends on), not editable, and its tests."
-    return session_func
+    return _recorded(session_func)
 
 
 for _package in PACKAGES:
@@ -230,14 +300,15 @@ for _package in PACKAGES:
 
 
 @nox.session(tags=["ci"])
+@_recorded
 def lint(session: nox.Session) -> None:
     """ruff over the whole repository."""
-    _install(session, "ruff>=0.6")
+    _install(session, "ruff", torch=False)
     session.run("ruff", "check", ".")
 
 
 def _build_wheels(session: nox.Session) -> None:
-    _install(session, "build>=1.0")
+    _install(session, "build", torch=False)
     if WHEELHOUSE.exists():
         shutil.rmtree(WHEELHOUSE)
     for package in PACKAGES:
@@ -267,6 +338,7 @@ for name, version in ds_all.versions().items():
 
 
 @nox.session(tags=["ci"])
+@_recorded
 def wheels(session: nox.Session) -> None:
     """Build every wheel, install ds-all from the wheelhouse into this fresh virtualenv as a user
     would (README), run `python -m ds_all` and import every part from the installed wheels."""
@@ -285,6 +357,22 @@ DEEPSPEED_TEST_MARKERS = ("not nightly and not inference and not seq_inference a
                           "inference_v2 and not inference_v2_ops and not stable_diffusion and not evaluation")
 
 
+def _constraints_with(session: nox.Session, pins: list[str]) -> Path:
+    """constraints.txt with ``pins`` (``name==version``) instead of its own lines for those names (DeepSpeed's
+    harness needs pytest 8.3.5 where ours runs 9)."""
+    from packaging.utils import canonicalize_name
+
+    def name(line: str) -> str:
+        return canonicalize_name(line.split("==")[0].strip())
+
+    replaced = {name(pin) for pin in pins}
+    kept = [line for line in CONSTRAINTS.read_text().splitlines()
+            if not line.strip() or line.startswith("#") or name(line) not in replaced]
+    path = Path(session.create_tmp()) / "constraints-deepspeed-tests.txt"
+    path.write_text("\n".join([*kept, *pins]) + "\n")
+    return path
+
+
 @nox.session(name="deepspeed-tests")
 def deepspeed_tests(session: nox.Session) -> None:
     """DeepSpeed's own unit tests (../shared/deepspeed-tests/tests), unchanged, against ds: ``import deepspeed``
@@ -293,7 +381,8 @@ def deepspeed_tests(session: nox.Session) -> None:
     source = Path(os.environ.get("DS_DEEPSPEED_TESTS", ROOT.parent / "shared" / "deepspeed-tests" / "tests"))
     if not (source / "conftest.py").exists():
         session.error(f"DeepSpeed's tests not found at {source} (set DS_DEEPSPEED_TESTS to their tests/ folder)")
-    _install(session, *DEEPSPEED_TEST_DEPS, *(a for p in PACKAGES for a in ("-e", f"packages/{p}")))
+    _install(session, *DEEPSPEED_TEST_DEPS, *(a for p in PACKAGES for a in ("-e", f"packages/{p}")),
+             constraints=_constraints_with(session, [d for d in DEEPSPEED_TEST_DEPS if "==" in d]))
     work = Path(session.create_tmp()) / "deepspeed-tests"
     shutil.rmtree(work, ignore_errors=True)
     shutil.copytree(source, work)
@@ -319,6 +408,7 @@ def bench(session: nox.Session) -> None:
 
 
 @nox.session(tags=["ci"])
+@_recorded
 def demo(session: nox.Session) -> None:
     """The main job: ds-launch starts 2 ranks that train a GPT (~34M parameters) from a DeepSpeed JSON
     through ds_all.initialize (ZeRO with CPU offload, WarmupCosineLR, TensorBoard and CSV logs, a flops
@@ -327,3 +417,11 @@ def demo(session: nox.Session) -> None:
     # all; the JSON turns TensorBoard on).
     _install(session, TORCH, *(f"packages/{p}" for p in PACKAGES if p != "ds-all"), "packages/ds-all[monitors]")
     session.run("ds-launch", "--num_procs", "2", "packages/ds-all/examples/train_gpt.py", *session.posargs)
+
+
+@nox.session(python=False, tags=["ci"])
+def summary(session: nox.Session) -> None:
+    """The run's closing line (last of the ``ci`` sessions): each session's time and pytest counts, the skips
+    by reason, the CPU and its SIMD level (scripts/ci_summary.py)."""
+    for line in ci_summary.summarize(RESULTS, _cpu_line()):
+        session.log(line)
