@@ -22,7 +22,7 @@ import time
 from typing import Any, Literal
 
 import torch
-from ds_config import Section
+from ds_config import Section, write_atomic
 from pydantic import Field, model_validator
 
 import ds_comm
@@ -82,14 +82,8 @@ class AutotuningConfig(Section):
 
 
 def write_json_atomic(path: str, value: dict) -> None:
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(value, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    write_atomic(path, json.dumps(value))
 
 
 class EngineProfiler:

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from ds_config import write_atomic
 
 import ds_comm
 import ds_moe
@@ -59,16 +60,6 @@ logger = logging.getLogger("ds_all")
 LATEST = "latest"
 META_FILE = "engine_meta.json"
 FORMAT = 1
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    temporary = path.with_name(path.name + ".tmp")
-    with open(temporary, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(temporary, path)
-    _fsync_dir(path.parent)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -214,7 +205,7 @@ def _complete(root: Path, tag: str, meta: dict[str, Any], save_latest: bool) -> 
     """Rank 0, once every rank's files are written: the engine's metadata, the rename into place,
     then ``latest``."""
     partial, final = root / f".{tag}.partial", root / tag
-    _write_atomic(partial / META_FILE, json.dumps(meta))
+    write_atomic(partial / META_FILE, json.dumps(meta))
     _fsync_dir(partial)
     aside = root / f".{tag}.replaced"
     if final.exists():
@@ -224,7 +215,7 @@ def _complete(root: Path, tag: str, meta: dict[str, Any], save_latest: bool) -> 
     _fsync_dir(root)
     shutil.rmtree(aside, ignore_errors=True)
     if save_latest:
-        _write_atomic(root / LATEST, tag)
+        write_atomic(root / LATEST, tag)
     write_recovery_scripts(root)  # zero_to_fp32.py and zero_to_torch.py, where DeepSpeed's save puts its own
 
 
