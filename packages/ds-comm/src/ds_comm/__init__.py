@@ -3,7 +3,8 @@
 torch.distributed-shaped collectives (checked, with gloo fallbacks), bucketed collectives over
 caller-owned flat buffers (`reduce_scatter_bucket`, `all_gather_bucket`), process-group life with
 launcher/MPI/SLURM discovery and a clean exit, the comms logger (config section ``comms_logger``) with hang
-diagnosis, 3D topology and the ``mpu``, 1-bit compressed all-reduce, and `ds_comm.testing`.
+diagnosis, 3D topology and the ``mpu``, the node layout (`node_topology`), 1-bit compressed all-reduce, ZeRO++'s
+quantized all-gather and hierarchical reduce-scatter, and `ds_comm.testing`.
 """
 
 __version__ = "0.1.0"
@@ -43,7 +44,16 @@ from .distributed import (
     new_group,
 )
 from .logger import CollectiveHang, comms_logger
-from .topology import Grid, PipeDataParallelTopology, PipeModelDataParallelTopology, ProcessTopology
+from .quantized import quantized_all_gather, quantized_reduce_scatter
+from .topology import (
+    Grid,
+    HierarchicalGroups,
+    NodeTopology,
+    PipeDataParallelTopology,
+    PipeModelDataParallelTopology,
+    ProcessTopology,
+    node_topology,
+)
 
 
 def configure(config=None, **overrides) -> CommsLoggerConfig:
@@ -58,12 +68,13 @@ def log_summary(show_straggler: bool = False) -> list[dict]:
 
 
 __all__ = [
-    "CollectiveHang", "CommsLoggerConfig", "Grid", "P2POp", "PipeDataParallelTopology",
+    "CollectiveHang", "CommsLoggerConfig", "Grid", "HierarchicalGroups", "NodeTopology", "P2POp", "PipeDataParallelTopology",
     "PipeModelDataParallelTopology", "ProcessTopology", "ReduceOp", "__version__",
     "all_gather", "all_gather_bucket", "all_gather_into_tensor", "all_reduce", "all_reduce_coalesced",
     "all_to_all_single", "barrier", "batch_isend_irecv", "broadcast", "comms_logger", "compressed_allreduce", "configure", "destroy_process_group",
     "error_buffer_sizes", "get_global_rank", "get_local_rank", "get_rank", "get_world_size", "inference_all_reduce",
     "init_distributed",
-    "irecv", "is_initialized", "isend", "log_summary", "monitored_barrier", "new_group", "pack_signs", "recv",
+    "irecv", "is_initialized", "isend", "log_summary", "monitored_barrier", "new_group", "node_topology", "pack_signs",
+    "quantized_all_gather", "quantized_reduce_scatter", "recv",
     "reduce", "reduce_scatter_bucket", "reduce_scatter_tensor", "send", "unpack_signs",
 ]

@@ -7,12 +7,16 @@ OPS = frozenset({
     "all_reduce", "all_reduce_coalesced", "reduce", "broadcast", "all_gather", "all_gather_into_tensor",
     "reduce_scatter_tensor", "all_to_all_single", "send", "recv", "isend", "irecv", "batch_isend_irecv",
     "barrier", "monitored_barrier", "reduce_scatter_bucket", "all_gather_bucket",
+    "quantized_all_gather", "quantized_reduce_scatter",
 })
+# Point-to-point ops: their bytes go to one peer, not spread over the group (no node-boundary share).
+P2P = frozenset({"send", "recv", "isend", "irecv", "batch_isend_irecv"})
 
 # Bus-bandwidth factors (as nccl-tests defines them): the share of the message each rank sends.
 _RING_ALL_REDUCE = frozenset({"all_reduce", "all_reduce_coalesced"})
 _ONE_OF_N = frozenset({"all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single",
-                       "reduce_scatter_bucket", "all_gather_bucket"})
+                       "reduce_scatter_bucket", "all_gather_bucket",
+                       "quantized_all_gather", "quantized_reduce_scatter"})
 _NO_DATA = frozenset({"barrier", "monitored_barrier"})
 
 

@@ -41,8 +41,9 @@ import torch
 import torch.distributed as dist
 
 from . import distributed as _distributed
-from ._ops import bus_factor
+from ._ops import P2P, bus_factor
 from .config import CommsLoggerConfig
+from .topology import node_topology
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +85,7 @@ class OpRecord:
     count: int
     total_s: float
     world_size: int
+    off_node_peers: int | None = None  # the group's ranks on another node than this one; None: point to point
 
     @property
     def avg_s(self) -> float:
@@ -102,9 +104,21 @@ class OpRecord:
         """Bytes this rank sent for these ops (message size × bus factor × count)."""
         return self.msg_bytes * bus_factor(self.op, self.world_size) * self.count
 
+    @property
+    def cross_node_bytes(self) -> float | None:
+        """Of `bus_bytes`, those addressed to ranks on other nodes (`ds_comm.node_topology`): each
+        peer of the group gets an equal share (an all-gather's shard, an all-to-all's chunk, a
+        reduce-scatter's chunk; an all-reduce counts as reduce-scatter + all-gather), so this is
+        ``bus_bytes * off_node_peers / (world_size - 1)``: what a direct exchange sends across, whatever
+        ring or tree the backend runs. None for point-to-point ops."""
+        if self.off_node_peers is None:
+            return None
+        return self.bus_bytes * self.off_node_peers / (self.world_size - 1) if self.world_size > 1 else 0.0
+
     def as_dict(self) -> dict:
         return {"op": self.op, "msg_bytes": self.msg_bytes, "count": self.count, "total_s": self.total_s,
-                "avg_s": self.avg_s, "algbw": self.algbw, "busbw": self.busbw, "bus_bytes": self.bus_bytes}
+                "avg_s": self.avg_s, "algbw": self.algbw, "busbw": self.busbw, "bus_bytes": self.bus_bytes,
+                "off_node_peers": self.off_node_peers, "cross_node_bytes": self.cross_node_bytes}
 
 
 def _no_limit(timeout) -> bool:
@@ -136,6 +150,7 @@ class _Issued:
     rank: int
     caller: str
     device: torch.device | None  # the CUDA device of the op's tensors: timed with events; None: host timers
+    off_node_peers: int | None = None
     start: float = 0.0
     start_event: object = None
     end_event: object = None
@@ -218,7 +233,8 @@ class _Publisher:
 class CommsLogger:
     def __init__(self):
         self.config = CommsLoggerConfig()
-        self._times: dict[tuple[str, int, int], list[float]] = defaultdict(list)
+        self._times: dict[tuple[str, int, int, int | None], list[float]] = defaultdict(list)
+        self._off_node: dict[tuple, int] = {}  # (group key, node layout) -> off-node peers of this rank
         self._sequences: dict[str, int] = {}
         self._positions: dict[str, dict] = {}  # group key -> this rank's latest collective on it
         self._history: deque = deque(maxlen=HISTORY)
@@ -246,6 +262,7 @@ class CommsLogger:
         self._pending.clear()
 
     def reset_sequences(self) -> None:
+        self._off_node.clear()
         self._sequences.clear()
         self._positions.clear()
 
@@ -269,7 +286,7 @@ class CommsLogger:
         issued = None
         if record:
             issued = _Issued(op, msg_bytes, dist.get_world_size(group), dist.get_rank(), caller or "",
-                             _cuda_device(tensors))
+                             _cuda_device(tensors), None if op in P2P else self._off_node_peers(group))
             if issued.device is not None:
                 issued.start_event = _record_event(issued.device)
             issued.start = time.perf_counter()
@@ -330,9 +347,22 @@ class CommsLogger:
             self._pending.popleft()
             self._record(issued, issued.start_event.elapsed_time(issued.end_event) / 1e3)
 
+    def _off_node_peers(self, group) -> int | None:
+        """This rank's peers in ``group`` on other nodes (the launcher's layout, `node_topology`); None
+        where the environment names no layout that fits the world size (then no record says it)."""
+        try:
+            topology = node_topology(dist.get_world_size())
+        except ValueError:
+            return None
+        key = (_group_key(group), topology.ranks_per_node)
+        if key not in self._off_node:
+            ranks = list(range(dist.get_world_size())) if key[0] == "world" else dist.get_process_group_ranks(group)
+            self._off_node[key] = topology.off_node_peers(dist.get_rank(), ranks)
+        return self._off_node[key]
+
     def _record(self, issued: _Issued, seconds: float) -> None:
         op, msg_bytes, world = issued.op, issued.msg_bytes, issued.world_size
-        self._times[(op, msg_bytes, world)].append(seconds)
+        self._times[(op, msg_bytes, world, issued.off_node_peers)].append(seconds)
         if self.config.verbose:
             algbw = msg_bytes / seconds if seconds > 0 else 0.0
             line = (f"ds_comm | rank {issued.rank} | {op} | {_size(msg_bytes)} | {seconds * 1e3:.3f} ms | "
@@ -419,8 +449,8 @@ class CommsLogger:
     # ---- summary --------------------------------------------------------------------------------------
     def records(self) -> list[OpRecord]:
         self._read_events()
-        return [OpRecord(op, size, len(times), sum(times), world)
-                for (op, size, world), times in sorted(self._times.items())]
+        return [OpRecord(op, size, len(times), sum(times), world, off)
+                for (op, size, world, off), times in sorted(self._times.items(), key=_record_order)]
 
     def log_summary(self, show_straggler: bool = False) -> list[dict]:
         """Log (rank 0; see the module's note on output) and return the per-op, per-size summary. With ``show_straggler`` every rank
@@ -441,6 +471,11 @@ class CommsLogger:
                 lines.append(line + (f"{row['straggler_s'] * 1e3:>14.3f}" if show_straggler else ""))
             log.info("%s", "\n".join(lines))
         return rows
+
+
+def _record_order(item) -> tuple:
+    (op, size, world, off), _times = item
+    return op, size, world, -1 if off is None else off
 
 
 def _store():

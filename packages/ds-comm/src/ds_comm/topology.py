@@ -9,9 +9,11 @@ answers the ``mpu`` questions of the seeds.
 from __future__ import annotations
 
 import itertools
+import os
 from collections import namedtuple
+from dataclasses import dataclass
 
-from .distributed import _require, get_rank, new_group
+from .distributed import _require, get_rank, get_world_size, new_group
 
 
 class ProcessTopology:
@@ -157,3 +159,91 @@ class Grid:
 
     def get_next_stage_rank(self) -> int | None:
         return None if self.is_last_stage() else self.stage_to_global(self.get_stage_id() + 1)
+
+
+# ---- nodes ------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class NodeTopology:
+    """Which ranks share a node: ``world_size`` ranks, ``ranks_per_node`` consecutive ranks a node
+    (the layout of ds-launch, torchrun and DeepSpeed's launcher: rank = node * ranks_per_node +
+    local rank). Pure arithmetic; `node_topology` reads it from the launcher's environment."""
+
+    world_size: int
+    ranks_per_node: int
+
+    def __post_init__(self):
+        for name in ("world_size", "ranks_per_node"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"NodeTopology: {name} must be a positive integer, got {value!r}")
+        if self.world_size % self.ranks_per_node:
+            raise ValueError(f"NodeTopology: ranks_per_node ({self.ranks_per_node}) must divide the world size "
+                             f"({self.world_size})")
+
+    @property
+    def num_nodes(self) -> int:
+        return self.world_size // self.ranks_per_node
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.ranks_per_node
+
+    def local_rank_of(self, rank: int) -> int:
+        return rank % self.ranks_per_node
+
+    def node_ranks(self, node: int) -> list[int]:
+        """The ranks of one node, in order (an intra-node group)."""
+        return list(range(node * self.ranks_per_node, (node + 1) * self.ranks_per_node))
+
+    def peer_ranks(self, local_rank: int) -> list[int]:
+        """The ranks with this local rank on every node, in node order (an inter-node group)."""
+        return [node * self.ranks_per_node + local_rank for node in range(self.num_nodes)]
+
+    def off_node_peers(self, rank: int, ranks: list[int]) -> int:
+        """How many of ``ranks`` are on another node than ``rank``."""
+        return sum(self.node_of(r) != self.node_of(rank) for r in ranks)
+
+
+def node_topology(world_size: int | None = None, ranks_per_node: int | None = None) -> NodeTopology:
+    """The node layout of this job: ``ranks_per_node`` if given, else the launcher's
+    ``LOCAL_WORLD_SIZE`` (ds-launch, torchrun), else ``LOCAL_SIZE`` (DeepSpeed's launcher, what its CPU
+    accelerator counts), else one node. So ``LOCAL_WORLD_SIZE=2`` on 4 ranks is 2 nodes × 2 ranks on
+    one machine. ``world_size``: the process group's, by default."""
+    if world_size is None:
+        _require("node_topology")
+        world_size = get_world_size()
+    if ranks_per_node is None:
+        for name in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
+            text = os.environ.get(name, "").strip()
+            if text:
+                if not text.isdigit() or int(text) < 1:
+                    raise ValueError(f"node_topology: {name} must be a positive integer, got {text!r}")
+                ranks_per_node = int(text)
+                break
+        else:
+            ranks_per_node = world_size
+    if world_size % ranks_per_node:
+        raise ValueError(f"node_topology: {ranks_per_node} ranks per node (LOCAL_WORLD_SIZE / LOCAL_SIZE or the "
+                         f"argument) must divide the world size {world_size}")
+    return NodeTopology(world_size, ranks_per_node)
+
+
+class HierarchicalGroups:
+    """The process groups of a two-level collective on a `NodeTopology`: ``intra`` (this rank's node)
+    and ``inter`` (the ranks with this rank's local rank on every node, in node order), as DeepSpeed's
+    ``local_<node>`` and ``global_<local rank>`` all-to-all groups. Every rank creates every group in
+    the same order (torch.distributed requires it), so every rank must construct this together."""
+
+    def __init__(self, topology: NodeTopology | None = None):
+        _require("HierarchicalGroups")
+        self.topology = node_topology() if topology is None else topology
+        self.rank = get_rank()
+        topo = self.topology
+        self.intra = self.inter = None
+        for node in range(topo.num_nodes):
+            group = new_group(topo.node_ranks(node))
+            if node == topo.node_of(self.rank):
+                self.intra = group
+        for local in range(topo.ranks_per_node):
+            group = new_group(topo.peer_ranks(local))
+            if local == topo.local_rank_of(self.rank):
+                self.inter = group
