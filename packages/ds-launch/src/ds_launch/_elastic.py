@@ -276,10 +276,10 @@ def _cause(label: str, code: int) -> str:
 
 
 def run_round(spec: NodeSpec, launcher_args: str, ssh_port: int | None, extra_env: dict[str, str],
-              join: _JoinWatch) -> RoundEnd:
+              join: _JoinWatch, venv_script: str | None = None) -> RoundEnd:
     """Start every node of ``spec`` over ssh and watch them until all succeed, one fails, a host joins,
     or a stop signal comes; every node agent is stopped before it returns."""
-    commands = build_commands("ssh", spec, launcher_args, ssh_port, extra_env=extra_env)
+    commands = build_commands("ssh", spec, launcher_args, ssh_port, extra_env=extra_env, venv_script=venv_script)
     with Supervisor(spec.kill_grace) as supervisor:
         for cmd in commands:
             supervisor.add(spawn(cmd.label, cmd.argv, {**os.environ, **cmd.env}, stdin=subprocess.PIPE,
@@ -324,7 +324,8 @@ def _wait_port(address: str, port: int) -> None:
 
 
 def run_elastic(spec: NodeSpec, options: ElasticOptions, allowed: list[int], launcher_args: str = "",
-                ssh_port: int | None = None, master_addr: str = "", probe: Probe | None = None) -> int:
+                ssh_port: int | None = None, master_addr: str = "", probe: Probe | None = None,
+                venv_script: str | None = None) -> int:
     """Run ``spec``'s program elastically over ``spec.world`` (the candidate hosts); the exit code."""
     probe = probe or ssh_probe(launcher_args, ssh_port)
     candidates = spec.world
@@ -342,7 +343,8 @@ def run_elastic(spec: NodeSpec, options: ElasticOptions, allowed: list[int], lau
         _wait_port(master, spec.master_port)
         env = {"TORCHELASTIC_RESTART_COUNT": str(restarts), "TORCHELASTIC_MAX_RESTARTS": str(options.max_restarts),
                "TORCHELASTIC_RUN_ID": run_id}
-        end = run_round(round_spec, launcher_args, ssh_port, env, _JoinWatch(candidates, world, allowed, options, probe))
+        end = run_round(round_spec, launcher_args, ssh_port, env, _JoinWatch(candidates, world, allowed, options, probe),
+                        venv_script)
         if end.kind == "done":
             _log(f"finished: every rank of the {size}-rank world succeeded")
             return 0

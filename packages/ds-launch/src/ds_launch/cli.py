@@ -30,7 +30,14 @@ from .resources import (
     parse_hostfile,
     select_resources,
 )
-from .runners import LAUNCHERS, LaunchCommand, build_commands, check_backend, remote_env
+from .runners import (
+    LAUNCHERS,
+    LaunchCommand,
+    build_commands,
+    check_backend,
+    remote_command,
+    remote_env,
+)
 from .spec import DEFAULT_MASTER_PORT, NodeSpec, Program
 
 
@@ -119,6 +126,15 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--ssh_port", type=_port, default=None, help="ssh port of the remote nodes")
     n.add_argument("--force_multi", action="store_true",
                    help="use the multi-node launcher even for a single node")
+    n.add_argument("--no_ssh", action="store_true",
+                   help="DeepSpeed's launch without ssh: start only this node's ranks (needs --node_rank; run "
+                        "ds-launch on each node yourself)")
+    n.add_argument("--no_ssh_check", action="store_true",
+                   help="accepted for DeepSpeed: ds-launch makes no ssh check before a launch (an unreachable node "
+                        "fails the launch, named)")
+    n.add_argument("--venv_script", default=None, metavar="PATH",
+                   help="a script each node sources before the ranks start (ssh and pdsh launchers), e.g. a "
+                        "virtualenv's bin/activate")
     el = p.add_argument_group("elastic training (restart at a new size when a node is lost or joins)")
     el.add_argument("--elastic_training", "--elastic", action="store_true",
                     help="run on the hosts that are up and restart every rank at a size the training config's "
@@ -159,6 +175,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run an unmodified DeepSpeed script on ds_all: in the ranks, for this launch only, "
                         "'import deepspeed' gives ds_all and deepspeed.X gives ds_all.X (refused when a real "
                         "DeepSpeed is importable)")
+    lg = p.add_argument_group("messages")
+    lg.add_argument("--log_level", choices=("debug", "info", "warning", "error", "critical"), default="info",
+                    help="ds-launch's own messages: its warnings show at warning or below (default info)")
+    lg.add_argument("-q", "--quiet", action="store_true", help="--log_level error")
     p.add_argument("--autotuning", choices=("tune", "run"), default=None,
                    help="autotune the script's DeepSpeed config with the ds-autotune command (run: then train "
                         "with the best config found)")
@@ -239,8 +259,9 @@ def _program(args) -> Program:
     return program
 
 
-def _warn(message: str) -> None:
-    print(f"ds-launch: warning: {message}", file=sys.stderr)
+def _warn(args, message: str) -> None:
+    if not args.quiet and args.log_level in ("debug", "info", "warning"):
+        print(f"ds-launch: warning: {message}", file=sys.stderr)
 
 
 def _resources(args):
@@ -261,6 +282,15 @@ def make_plan(argv: list[str]):
     program = _program(args)
     if args.bind_core_list is not None and not args.bind_cores_to_rank:
         raise LaunchError("--bind_core_list needs --bind_cores_to_rank")
+    if args.no_ssh and args.node_rank is None:
+        raise LaunchError("--no_ssh starts only this node's ranks: give its --node_rank (0 for the first host), and "
+                          "run ds-launch on every node")
+    if args.venv_script is not None:
+        try:
+            remote_command([args.venv_script])  # sourced by a remote shell: plain text only
+        except LaunchError:
+            raise LaunchError(f"--venv_script {args.venv_script!r}: the path may hold only letters, digits and "
+                              "_./=%+- (a remote shell sources it)") from None
     if args.node_rank is not None and (args.launcher or args.force_multi):
         raise LaunchError("--node_rank starts one node's ranks here; it cannot be combined with --launcher/--force_multi")
     world = _resources(args)
@@ -273,9 +303,9 @@ def make_plan(argv: list[str]):
         raise LaunchError(f"--node_rank {args.node_rank} is outside 0..{len(world) - 1} (the hosts: {', '.join(world)})")
     if not multi:
         unused = [o for o, v in (("--launcher", args.launcher), ("--launcher_args", args.launcher_args),
-                                 ("--ssh_port", args.ssh_port)) if v]
+                                 ("--ssh_port", args.ssh_port), ("--venv_script", args.venv_script)) if v]
         if unused:
-            _warn(f"{', '.join(unused)} ignored: this is a single-node launch (add --force_multi to use them)")
+            _warn(args, f"{', '.join(unused)} ignored: this is a single-node launch (add --force_multi to use them)")
     if args.master_addr:
         master = args.master_addr
     elif multi or args.node_rank is not None:
@@ -305,10 +335,12 @@ def _run_elastic(args, spec: NodeSpec) -> int:
         print(f"ds-launch dry run: elastic training over {', '.join(spec.world)}: nodes {options.min_nodes}.."
               f"{options.max_nodes}, global batch {batch}, allowed world sizes {allowed}, at most "
               f"{options.max_restarts} failure restart(s); each round starts the hosts that are up, as below for all")
-        _print_dry_run(spec, build_commands("ssh", spec, args.launcher_args, args.ssh_port))
+        _print_dry_run(spec, build_commands("ssh", spec, args.launcher_args, args.ssh_port,
+                                            venv_script=args.venv_script))
         return 0
     check_backend("ssh", build_commands("ssh", spec, args.launcher_args, args.ssh_port)[0])
-    return run_elastic(spec, options, allowed, args.launcher_args, args.ssh_port, args.master_addr)
+    return run_elastic(spec, options, allowed, args.launcher_args, args.ssh_port, args.master_addr,
+                       venv_script=args.venv_script)
 
 
 # the elastic options and their defaults (given without --elastic_training they are an error)
@@ -427,7 +459,10 @@ def run(argv: list[str]) -> int:
                 _remove(pid_file)
     commands = None
     if launcher:
-        commands = build_commands(launcher, spec, args.launcher_args, args.ssh_port)
+        if args.venv_script is not None and launcher not in ("ssh", "pdsh"):
+            _warn(args, f"--venv_script ignored: the {launcher} launcher starts the ranks itself (as in DeepSpeed, "
+                        "only ssh/pdsh nodes source it)")
+        commands = build_commands(launcher, spec, args.launcher_args, args.ssh_port, venv_script=args.venv_script)
     if args.dry_run:
         _print_dry_run(spec, commands)
         return 0

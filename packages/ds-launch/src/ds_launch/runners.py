@@ -167,9 +167,10 @@ def ssh_probe_command(host: str, launcher_args: str = "", ssh_port: int | None =
 
 def build_commands(launcher: str, spec: NodeSpec, launcher_args: str = "", ssh_port: int | None = None,
                    environ: dict[str, str] | None = None, cwd: str | None = None,
-                   extra_env: dict[str, str] | None = None) -> list[LaunchCommand]:
+                   extra_env: dict[str, str] | None = None, venv_script: str | None = None) -> list[LaunchCommand]:
     """The local processes that start ``spec``'s world with ``launcher``. ``extra_env``: variables
-    every rank gets on top of the forwarded environment (an elastic launch's restart count)."""
+    every rank gets on top of the forwarded environment (an elastic launch's restart count);
+    ``venv_script``: sourced by each node's shell before its agent starts (ssh and pdsh)."""
     extra = _split_launcher_args(launcher_args)
     environ = dict(os.environ if environ is None else environ)
     cwd = os.path.abspath(cwd or os.getcwd())
@@ -179,8 +180,10 @@ def build_commands(launcher: str, spec: NodeSpec, launcher_args: str = "", ssh_p
     hosts = spec.hosts
 
     def agent(node_rank: str) -> str:
-        return remote_command([sys.executable, "-u", "-m", "ds_launch.node", "--spec", payload,
-                               "--node_rank", node_rank, "--watch_stdin"])
+        command = remote_command([sys.executable, "-u", "-m", "ds_launch.node", "--spec", payload,
+                                  "--node_rank", node_rank, "--watch_stdin"])
+        # "&&": a script that fails to source stops the node rather than starting ranks in the wrong environment
+        return f". {remote_command([venv_script])} && {command}" if venv_script else command
 
     if launcher == "ssh":
         port = ["-p", str(ssh_port)] if ssh_port else []
