@@ -1,8 +1,8 @@
 """ZeRO-Infinity: train a GPT whose model states do not fit in this machine's memory.
 
-A GPT-style pre-LN decoder (default: d_model 2560, 24 layers, 20 heads, vocab 8192, sequence 64,
-untied LM head: 1.93B parameters). Float32 Adam's model states are 16 bytes per parameter (weights,
-gradients, two moments): 31 GB against this machine's 24 GiB of RAM. The model is built under
+The yardstick's GPT-style pre-LN decoder (``_yardstick.py``) at other sizes (default: d_model 2560,
+24 layers, 20 heads, vocab 8192, sequence 64, untied LM head: 1.93B parameters). Float32 Adam's model
+states are 16 bytes per parameter (weights, gradients, two moments): 31 GB against this machine's 24 GiB of RAM. The model is built under
 ``ds_zero.Init`` with ``offload_param.device: nvme`` (each slice written to disk as its module is
 built, so no rank ever holds the model), then trained by ``ZeroOptimizer`` at stage 3 with the
 parameters and Adam's states on NVMe (12 bytes per parameter on disk) and the gradient partition in
@@ -43,47 +43,17 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _yardstick import GPT, Shape
 
 from ds_comm.testing import spawn
 from ds_zero import Init, ZeroOptimizer, load_zero_checkpoint, save_zero_checkpoint
 
 
-class Block(nn.Module):
-    def __init__(self, d: int, heads: int):
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-        self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-
-    def forward(self, x):
-        b, s, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, d)
-        x = x + self.proj(attn)
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))
-
-
-class GPT(nn.Module):
-    def __init__(self, vocab: int, d: int, layers: int, heads: int, seq: int):
-        super().__init__()
-        self.vocab = vocab
-        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(seq, d)
-        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
-        self.norm, self.head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
-
-    def forward(self, tokens):
-        x = self.tok(tokens) + self.pos(torch.arange(tokens.shape[1]))
-        for block in self.blocks:
-            x = block(x)
-        logits = self.head(self.norm(x))
-        return F.cross_entropy(logits[:, :-1].reshape(-1, self.vocab), tokens[:, 1:].reshape(-1))
-
-
-def parameter_count(vocab: int, d: int, layers: int, seq: int) -> int:
-    return (vocab + seq) * d + layers * (12 * d * d + 13 * d) + 2 * d + vocab * d
+def shape(args) -> Shape:
+    """The yardstick GPT (``_yardstick.py``) at ``args``' sizes, one sample of ``--seq`` tokens per rank."""
+    return Shape(args.vocab, args.d_model, args.layers, args.heads, args.seq, micro_batch=1)
 
 
 def ds_config(args, path: str) -> dict:
@@ -138,7 +108,7 @@ def run(rank: int, world_size: int, args, path: str) -> dict:
     began = time.perf_counter()
     torch.manual_seed(0)
     with Init(config_dict_or_path=config):
-        model = GPT(args.vocab, args.d_model, args.layers, args.heads, args.seq)
+        model = GPT(shape(args))
     built = time.perf_counter()
     rss_built = _rss()
     zero = ZeroOptimizer(model, torch.optim.AdamW, optimizer_kwargs={"lr": args.lr, "weight_decay": 0.0},
@@ -205,7 +175,7 @@ def main() -> None:
     parser.add_argument("--json", help="write the figures here too")
     args = parser.parse_args()
 
-    numel = parameter_count(args.vocab, args.d_model, args.layers, args.seq)
+    numel = shape(args).params()
     states, ram = 16 * numel, _ram_bytes()
     print(f"GPT {numel / 1e9:.2f}B parameters (d_model {args.d_model}, {args.layers} layers, vocab {args.vocab}), "
           f"fp32 Adam model states {states / 1e9:.1f} GB vs {ram / 2**30:.1f} GiB of RAM; 2 ranks, 1 x {args.seq} "

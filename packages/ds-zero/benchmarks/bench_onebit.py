@@ -1,7 +1,7 @@
 """1-bit Adam and 0/1 Adam against Adam, 2 gloo ranks, on plain loopback and on a slow link; and the
 loss curves of the three (and of 1-bit LAMB against LAMB) over 300 steps.
 
-Timing: the GPT of ARCHITECTURE.md, 'The yardstick workload' (bench_zero's, ~34M parameters, micro-batch 4, 2 ranks x 1 thread),
+Timing: the GPT of ARCHITECTURE.md, 'The yardstick workload' (``_yardstick.py``, ~34M parameters, micro-batch 4, 2 ranks x 1 thread),
 each optimizer under ``ZeroOptimizer`` stage 0 in fresh rank processes: Adam is torch's AdamW with
 ZeRO's overlapped all-reduce; 1-bit Adam warms up ``--warm`` steps, 0/1 Adam updates its variance on
 steps 1-``--warm`` and then takes local steps (intervals 1, 2, 4, 4, ...). Time per step after warm-up
@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_zero import GPT, _tokens
+from _yardstick import GPT, tokens
 
 import ds_comm
 from ds_comm.testing import spawn
@@ -74,13 +74,13 @@ def timing_run(rank: int, world_size: int, kind: str, warm: int, timed: int) -> 
     for step in range(warm + timed):
         ds_comm.barrier()
         start = time.perf_counter()
-        zero.backward(model(_tokens(step, 0, rank)))
+        zero.backward(model(tokens(step, 0, rank)))
         zero.step()
         zero.zero_grad()
         times.append(time.perf_counter() - start)
     ds_comm.configure(enabled=True)
     ds_comm.comms_logger.reset()
-    zero.backward(model(_tokens(warm + timed, 0, rank)))
+    zero.backward(model(tokens(warm + timed, 0, rank)))
     zero.step()
     zero.zero_grad()
     sent = sum(r.bus_bytes for r in ds_comm.comms_logger.records())
@@ -135,7 +135,7 @@ def interleaved_run(rank: int, world_size: int, kinds: list[str], warm: int, tim
             model, zero = runs[kind]
             ds_comm.barrier()
             start = time.perf_counter()
-            zero.backward(model(_tokens(step, 0, rank)))
+            zero.backward(model(tokens(step, 0, rank)))
             zero.step()
             zero.zero_grad()
             times[kind].append(time.perf_counter() - start)
@@ -211,7 +211,10 @@ def print_timing(title: str, rows: list[dict], loopback: list[dict] | None = Non
 
 # ------------------------------------------------------------------------------------------- convergence
 class SmallGPT(nn.Module):
-    """A pre-LN decoder (torch's encoder layers with a causal mask) small enough for 300 steps in seconds."""
+    """A pre-LN decoder (torch's encoder layers with a causal mask) small enough for 300 steps in seconds.
+
+    Not the yardstick's ``GPT`` scaled down: ``nn.TransformerEncoderLayer`` names and initializes its attention
+    differently (``in_proj_weight``, Xavier), and the convergence figures were measured on this model."""
 
     VOCAB, D_MODEL, LAYERS, HEADS, SEQ = 512, 128, 2, 4, 64
 

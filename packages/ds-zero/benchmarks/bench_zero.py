@@ -25,53 +25,26 @@ import argparse
 import json
 import resource
 import statistics
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _yardstick import GPT, Shape, tokens
 
 import ds_comm
 from ds_comm.testing import spawn
 from ds_zero import ZeroOptimizer
 
-VOCAB, D_MODEL, LAYERS, HEADS, SEQ, MICRO_BATCH = 8192, 512, 8, 8, 256, 4
-
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.ln1, self.ln2 = nn.LayerNorm(D_MODEL), nn.LayerNorm(D_MODEL)
-        self.qkv, self.proj = nn.Linear(D_MODEL, 3 * D_MODEL), nn.Linear(D_MODEL, D_MODEL)
-        self.fc, self.out = nn.Linear(D_MODEL, 4 * D_MODEL), nn.Linear(4 * D_MODEL, D_MODEL)
-
-    def forward(self, x):
-        b, s, _ = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, HEADS, D_MODEL // HEADS).permute(2, 0, 3, 1, 4)
-        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, D_MODEL)
-        x = x + self.proj(attn)
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))
-
-
-class GPT(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.tok, self.pos = nn.Embedding(VOCAB, D_MODEL), nn.Embedding(SEQ, D_MODEL)
-        self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
-        self.norm, self.head = nn.LayerNorm(D_MODEL), nn.Linear(D_MODEL, VOCAB, bias=False)
-
-    def forward(self, tokens):
-        x = self.tok(tokens) + self.pos(torch.arange(tokens.shape[1]))
-        for block in self.blocks:
-            x = block(x)
-        logits = self.head(self.norm(x))
-        return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+SHAPE = Shape()  # the yardstick's sizes (_yardstick.py, its one definition)
 
 
 def _tokens(step: int, micro: int, rank: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(100_000 * step + 100 * micro + rank)
-    return torch.randint(0, VOCAB, (MICRO_BATCH, SEQ), generator=g)
+    return tokens(step, micro, rank, SHAPE)
 
 
 def _state_bytes(tensors) -> int:
@@ -267,7 +240,7 @@ def main() -> None:
         interleaved(args)
         return
     psi = sum(p.numel() for p in GPT().parameters())
-    print(f"GPT {psi / 1e6:.1f}M parameters, micro-batch {MICRO_BATCH}x{SEQ}, 2 ranks x 1 thread, gloo, "
+    print(f"GPT {psi / 1e6:.1f}M parameters, micro-batch {SHAPE.micro_batch}x{SHAPE.seq}, 2 ranks x 1 thread, gloo, "
           f"AdamW; {args.steps} steps, median of steps 3..{args.steps}, {args.rounds} round(s); ds-zero "
           f"reduce_bucket_size {'5e8 (default)' if args.bucket is None else f'{args.bucket:g}'}", flush=True)
     rows = []
