@@ -1,6 +1,6 @@
 """ds-autotune's tuner against the exhaustive grid over the same space, on the §9 GPT, 2 ranks, one run.
 
-The workload is ARCHITECTURE.md's yardstick GPT (its one definition, ``packages/ds-zero/benchmarks/bench_zero.py``,
+The workload is ARCHITECTURE.md's yardstick GPT (its one definition, ``packages/ds-zero/benchmarks/_yardstick.py``,
 loaded from its file) scaled down so that the grid runs in a few minutes on a CPU: vocabulary 1024,
 d_model 128, 2 layers, 4 heads, sequence 64 (``--shape`` changes it). The space: ZeRO stages 0-3 x
 micro-batch sizes 1, 2, 4, 8, 16, 32 (24 experiments, 32 samples per rank per step: the accumulation is
@@ -23,7 +23,6 @@ ratio, the tuner's own best over the grid's best, and the wall-time ratio (crite
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import shutil
@@ -34,18 +33,21 @@ import tempfile
 import time
 from pathlib import Path
 
-_WORKLOAD = Path(__file__).resolve().parents[2] / "ds-zero" / "benchmarks" / "bench_zero.py"
+# the workload's one definition (ARCHITECTURE.md, "The yardstick workload"): ds-zero's benchmarks folder, by path
+# (benchmarks are not installed, and this package gains no dependency on ds-zero)
+_YARDSTICK = Path(__file__).resolve().parents[2] / "ds-zero" / "benchmarks"
 SHAPE = {"VOCAB": 1024, "D_MODEL": 128, "LAYERS": 2, "HEADS": 4, "SEQ": 64}
 SIZES = [1, 2, 4, 8, 16, 32]
 
 
-def _workload(shape: dict):
-    spec = importlib.util.spec_from_file_location("bench_zero_workload", _WORKLOAD)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    for key, value in shape.items():  # the module's forward reads these globals
-        setattr(module, key, value)
-    return module
+def _yardstick(shape: dict):
+    """The yardstick's module and its ``Shape`` at ``shape`` (``--shape``: VOCAB, D_MODEL, LAYERS, HEADS, SEQ),
+    imported in the worker only (the search's process needs no torch)."""
+    if str(_YARDSTICK) not in sys.path:
+        sys.path.append(str(_YARDSTICK))
+    import _yardstick
+
+    return _yardstick, _yardstick.Shape(**{key.lower(): value for key, value in shape.items()})
 
 
 def worker(argv: list[str]) -> None:
@@ -62,15 +64,15 @@ def worker(argv: list[str]) -> None:
     ds_all.add_config_arguments(p)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    work = _workload(json.loads(args.shape))
+    yardstick, shape = _yardstick(json.loads(args.shape))
     torch.manual_seed(0)
-    model = work.GPT()
+    model = yardstick.GPT(shape)
     engine, _, _, _ = ds_all.initialize(args=args, model=model, model_parameters=model.parameters())
     micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     g = torch.Generator().manual_seed(engine.global_rank)
     for _ in range(args.steps):
         for _ in range(gas):
-            tokens = torch.randint(0, work.VOCAB, (micro, work.SEQ), generator=g)
+            tokens = torch.randint(0, shape.vocab, (micro, shape.seq), generator=g)
             engine.backward(engine(tokens))
             engine.step()
     engine.destroy()

@@ -1,7 +1,7 @@
 """The engine's checkpoints against torch.save/torch.load of the same states and against DCP used directly,
 on the workload of ARCHITECTURE.md, 'The yardstick workload'.
 
-The GPT of ds-zero's benchmark (``packages/ds-zero/benchmarks/bench_zero.py``, ~34M parameters), 2 ranks x
+The yardstick GPT (``packages/ds-zero/benchmarks/_yardstick.py``, ~34M parameters), 2 ranks x
 1 thread on gloo, ZeRO-2 in float32 with AdamW, two training steps first (so Adam's states exist). Then,
 rounds of, in turn (interleaved, so that the machine's drift falls on all alike):
 
@@ -26,29 +26,27 @@ from __future__ import annotations
 
 import argparse
 import functools
-import importlib.util
 import json
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+# the workload's one definition (ARCHITECTURE.md, "The yardstick workload"), from ds-zero's benchmarks folder by
+# path: benchmarks are not installed, and this package gains no dependency on ds-zero
+sys.path.append(str(Path(__file__).resolve().parents[2] / "ds-zero" / "benchmarks"))
+import _yardstick as yardstick
+
 import ds_comm
 from ds_comm.testing import spawn
 
-_WORKLOAD = Path(__file__).resolve().parents[2] / "ds-zero" / "benchmarks" / "bench_zero.py"
 KINDS = ["engine", "torch", "torch+fsync", "dcp"]
 
-
-def _workload():
-    spec = importlib.util.spec_from_file_location("bench_zero_workload", _WORKLOAD)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _disk_bytes(path: Path) -> int:
@@ -126,15 +124,14 @@ def run(rank: int, world_size: int, root: str, rounds: int, with_async: bool, co
     import ds_all
     from ds_zero import read_zero_metadata
 
-    work = _workload()
     torch.manual_seed(0)
-    model = work.GPT()
-    config = {"train_micro_batch_size_per_gpu": work.MICRO_BATCH, "steps_per_print": 10**6,
+    model = yardstick.GPT()
+    config = {"train_micro_batch_size_per_gpu": yardstick.Shape().micro_batch, "steps_per_print": 10**6,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01, "torch_adam": True}},
               "zero_optimization": {"stage": 2}}
     engine, *_ = ds_all.initialize(model=model, config=config)
     for step in range(2):
-        engine.backward(engine(work._tokens(step, 0, rank)))
+        engine.backward(engine(yardstick.tokens(step, 0, rank)))
         engine.step()
     base = Path(root)
     times: dict[str, dict[str, list[float]]] = {k: {"save": [], "load": []} for k in KINDS}

@@ -1,7 +1,7 @@
 """The engine against ds-zero used directly and against DDP, on ARCHITECTURE.md, 'The yardstick workload'.
 
-The GPT of ds-zero's benchmark (``packages/ds-zero/benchmarks/bench_zero.py``, loaded from its file:
-one definition of the workload), micro-batch 4 x 256 tokens per rank, 2 ranks x 1 thread on gloo,
+The yardstick GPT (``packages/ds-zero/benchmarks/_yardstick.py``, imported from its folder: the one
+definition of the workload), micro-batch 4 x 256 tokens per rank, 2 ranks x 1 thread on gloo,
 AdamW (torch's, in all three). Per configuration, fresh rank processes; time per step is the median
 of steps 3..N; each round runs every configuration, a stage's ds-zero and engine runs side by side in
 alternating order; the table gives the median over rounds, and for the engine also the median of its
@@ -16,7 +16,6 @@ after imports, with the model built ("warm": nothing compiled or downloaded).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import socket
@@ -28,18 +27,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
+# the workload's one definition (ARCHITECTURE.md, "The yardstick workload"), from ds-zero's benchmarks folder by
+# path: benchmarks are not installed, and this package gains no dependency on ds-zero
+sys.path.append(str(Path(__file__).resolve().parents[2] / "ds-zero" / "benchmarks"))
+import _yardstick as yardstick
+
 import ds_comm
 from ds_comm.testing import spawn
-
-_WORKLOAD = Path(__file__).resolve().parents[2] / "ds-zero" / "benchmarks" / "bench_zero.py"
-
-
-def _workload():
-    spec = importlib.util.spec_from_file_location("bench_zero_workload", _WORKLOAD)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
 
 ADAMW = {"lr": 1e-4, "weight_decay": 0.01}
 
@@ -52,9 +46,8 @@ def _free_port() -> int:
 
 def run(rank: int, world_size: int, kind: str, stage: int, gas: int, steps: int, port: int) -> dict:
     torch.set_num_threads(1)
-    work = _workload()
     torch.manual_seed(0)
-    model = work.GPT()
+    model = yardstick.GPT()
     ds_comm.destroy_process_group()  # spawn made one; each kind times its own setup from none, on a new port
     os.environ["MASTER_PORT"] = str(port)
     import ds_all  # imports are not setup: torch is imported before DDP's timing too
@@ -70,7 +63,7 @@ def run(rank: int, world_size: int, kind: str, stage: int, gas: int, steps: int,
         def train_step(step):
             for micro in range(gas):
                 with ddp.no_sync() if micro < gas - 1 else torch.enable_grad():
-                    (ddp(work._tokens(step, micro, rank)) / gas).backward()
+                    (ddp(yardstick.tokens(step, micro, rank)) / gas).backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=False)
     elif kind == "zero":
@@ -81,11 +74,11 @@ def run(rank: int, world_size: int, kind: str, stage: int, gas: int, steps: int,
 
         def train_step(step):
             for micro in range(gas):
-                zero.backward(model(work._tokens(step, micro, rank)))
+                zero.backward(model(yardstick.tokens(step, micro, rank)))
                 zero.step()
                 zero.zero_grad()
     else:
-        config = {"train_micro_batch_size_per_gpu": work.MICRO_BATCH, "gradient_accumulation_steps": gas,
+        config = {"train_micro_batch_size_per_gpu": yardstick.Shape().micro_batch, "gradient_accumulation_steps": gas,
                   "optimizer": {"type": "AdamW", "params": {**ADAMW, "torch_adam": True}},
                   "zero_optimization": {"stage": stage}, "steps_per_print": 10**9,
                   "gradient_clipping": 0}  # as ds-zero direct and DDP: no clipping (DeepSpeed's default is 1.0)
@@ -94,7 +87,7 @@ def run(rank: int, world_size: int, kind: str, stage: int, gas: int, steps: int,
 
         def train_step(step):
             for micro in range(gas):
-                engine.backward(engine(work._tokens(step, micro, rank)))
+                engine.backward(engine(yardstick.tokens(step, micro, rank)))
                 engine.step()
     times = []
     for step in range(steps):
@@ -115,11 +108,10 @@ def run_interleaved(rank: int, world_size: int, stage: int, gas: int, steps: int
     from ds_zero import ZeroOptimizer
 
     torch.set_num_threads(1)
-    work = _workload()
     torch.manual_seed(0)
-    model = work.GPT()
+    model = yardstick.GPT()
     direct = copy.deepcopy(model)
-    config = {"train_micro_batch_size_per_gpu": work.MICRO_BATCH, "gradient_accumulation_steps": gas,
+    config = {"train_micro_batch_size_per_gpu": yardstick.Shape().micro_batch, "gradient_accumulation_steps": gas,
               "optimizer": {"type": "AdamW", "params": {**ADAMW, "torch_adam": True}},
               "zero_optimization": {"stage": stage}, "steps_per_print": 10**9,
               "gradient_clipping": 0}  # as ds-zero direct and DDP: no clipping (DeepSpeed's default is 1.0)
@@ -129,12 +121,12 @@ def run_interleaved(rank: int, world_size: int, stage: int, gas: int, steps: int
 
     def engine_step(step):
         for micro in range(gas):
-            engine.backward(engine(work._tokens(step, micro, rank)))
+            engine.backward(engine(yardstick.tokens(step, micro, rank)))
             engine.step()
 
     def zero_step(step):
         for micro in range(gas):
-            zero.backward(direct(work._tokens(step, micro, rank)))
+            zero.backward(direct(yardstick.tokens(step, micro, rank)))
             zero.step()
             zero.zero_grad()
 
@@ -180,8 +172,6 @@ def main() -> None:
     args = parser.parse_args()
     if args.steps < 4:
         parser.error("--steps must be >= 4 (steps 3.. are timed)")
-    if not _WORKLOAD.exists():
-        sys.exit(f"bench_engine: the workload's definition is missing: {_WORKLOAD}")
     if args.interleaved:
         interleaved(args)
         return
