@@ -1,9 +1,11 @@
 """bench_parallel's model and its torchrun runner (plain torch at import, so DeepSpeed's venv can run it too).
 
-The GPT (pre-LN decoder, learned positions, tied nothing) takes an ``attention(q, k, v)`` callable on
-``[batch, seq, heads, head_dim]``, so the same module runs whole-sequence attention on one rank, ds-parallel's
-``DistributedAttention`` or DeepSpeed's. The runner (``--backend ds|deepspeed``, under torchrun, 2 ranks) trains
-it with the sequence split over the ranks and writes each rank's step times to ``<out>.rank<r>.json``.
+The GPT (pre-LN decoder, learned positions, tied nothing; its blocks are the yardstick's, ``_yardstick.py`` in
+ds-zero's benchmarks, its sizes the yardstick's ``Shape``, ``micro_batch`` sequences) takes an
+``attention(q, k, v)`` callable on ``[batch, seq, heads, head_dim]``, so the same module runs whole-sequence
+attention on one rank, ds-parallel's ``DistributedAttention`` or DeepSpeed's. The runner (``--backend
+ds|deepspeed``, under torchrun, 2 ranks) trains it with the sequence split over the ranks and writes each rank's
+step times to ``<out>.rank<r>.json``.
 """
 
 from __future__ import annotations
@@ -11,21 +13,21 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+# the yardstick's one definition (ARCHITECTURE.md, "The yardstick workload"), from ds-zero's benchmarks folder by
+# path: benchmarks are not installed, and this package gains no dependency on ds-zero
+sys.path.append(str(Path(__file__).resolve().parents[2] / "ds-zero" / "benchmarks"))
+import _yardstick as yardstick
+from _yardstick import Shape
 
-@dataclass(frozen=True)
-class Shape:
-    vocab: int = 8192
-    d_model: int = 256
-    layers: int = 2
-    heads: int = 8
-    seq: int = 8192  # the whole sequence
-    batch: int = 1
+ULYSSES = Shape(d_model=256, layers=2, seq=8192, micro_batch=1)  # the whole sequence of one sample
 
 
 def sdpa_causal(q, k, v):
@@ -34,23 +36,21 @@ def sdpa_causal(q, k, v):
                                           is_causal=True).transpose(1, 2)
 
 
-class Block(torch.nn.Module):
+class Block(yardstick.Block):
+    """The yardstick's block whose attention is ``attention(q, k, v)`` on ``[batch, seq, heads, head_dim]``."""
+
     def __init__(self, shape: Shape, attention):
-        super().__init__()
-        d = shape.d_model
-        self.heads = shape.heads
-        self.ln1, self.ln2 = torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
-        self.qkv, self.proj = torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d)
-        self.fc, self.out = torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
+        super().__init__(shape.d_model, shape.heads)
         self.attention = attention
 
-    def forward(self, x):
+    def attend(self, x):
         b, s, d = x.shape
         q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.heads, d // self.heads).unbind(2)
-        x = x + self.proj(self.attention(q, k, v).reshape(b, s, d))
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+        return x + self.proj(self.attention(q, k, v).reshape(b, s, d))
 
 
+# Not the yardstick's GPT: a forward that takes this rank's positions and returns the logits (the sequence-parallel
+# step computes the loss of its slice), the final norm named ``ln`` and an LM head with a bias, as measured so far.
 class GPT(torch.nn.Module):
     def __init__(self, shape: Shape, attention):
         super().__init__()
@@ -70,7 +70,7 @@ class GPT(torch.nn.Module):
 
 def batch(shape: Shape, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 + step)
-    tokens = torch.randint(shape.vocab, (shape.batch, shape.seq + 1), generator=g)
+    tokens = torch.randint(shape.vocab, (shape.micro_batch, shape.seq + 1), generator=g)
     return tokens[:, :-1], tokens[:, 1:]
 
 
@@ -103,7 +103,7 @@ def sp_step(model, optimizer, tokens, targets, rank: int, world: int, all_reduce
 
 def _run(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
-    shape = Shape(args.vocab, args.d_model, args.layers, args.heads, args.seq, args.batch)
+    shape = Shape(args.vocab, args.d_model, args.layers, args.heads, args.seq, args.micro_batch)
     if args.backend == "deepspeed":
         import deepspeed
         import deepspeed.comm as dist
@@ -140,7 +140,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", choices=("ds", "deepspeed"), required=True)
     p.add_argument("--out", required=True, help="JSON path prefix: <out>.rank<r>.json")
     p.add_argument("--steps", type=int, default=3)
-    for name, value in Shape().__dict__.items():
+    for name, value in asdict(ULYSSES).items():
         p.add_argument(f"--{name.replace('_', '-')}", type=int, default=value)
     return p
 

@@ -42,14 +42,22 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench_parallel_parts import GPT, Shape, average_gradients, batch, sdpa_causal, sp_step
+from _bench_parallel_parts import (
+    GPT,
+    ULYSSES,
+    Shape,
+    average_gradients,
+    batch,
+    sdpa_causal,
+    sp_step,
+)
 
 import ds_comm
 from ds_comm.testing import free_port, spawn
@@ -61,6 +69,8 @@ MB = 2**20
 
 # ---- TP=2 against DP=2: per-rank memory ---------------------------------------------------------------------
 def _tp_gpt(shape: Shape):
+    """The yardstick GPT's shape in Megatron's parallel layers: its modules are not the yardstick's (q, k and v
+    are separate column-parallel linears, each forward returns ``(output, bias)``), so it is built here."""
     from ds_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
     d, heads = shape.d_model, shape.heads
@@ -140,8 +150,8 @@ def run_tp(rank: int, world: int, shape: Shape, steps: int) -> dict:
 
 
 def tp_part(args, report: dict) -> None:
-    shape = Shape(vocab=8192, d_model=512, layers=8, heads=8, seq=256, batch=4) if not args.quick else \
-        Shape(vocab=1024, d_model=128, layers=2, heads=4, seq=64, batch=2)
+    shape = Shape() if not args.quick else \
+        Shape(vocab=1024, d_model=128, layers=2, heads=4, seq=64, micro_batch=2)
     print(f"tp: GPT {asdict(shape)}, AdamW fp32, {args.tp_steps} steps, 2 ranks", flush=True)
     ranks = spawn(run_tp, world_size=2, args=(shape, args.tp_steps), timeout=3600)
     rows = {}
@@ -212,7 +222,7 @@ def _try_context_parallel(shape: Shape, rank: int, world: int, steps: int) -> di
         times = []
         for step in range(steps):
             tokens, targets = (t.contiguous() for t in batch(shape, step))
-            positions = torch.arange(shape.seq).expand(shape.batch, -1).contiguous()
+            positions = torch.arange(shape.seq).expand(shape.micro_batch, -1).contiguous()
             ds_comm.barrier()
             start = time.perf_counter()
             with context_parallel(mesh, buffers=[tokens, targets, positions], buffer_seq_dims=[1, 1, 1]):
@@ -305,7 +315,8 @@ def run_ulysses_time(rank: int, world: int, shape: Shape, steps: int) -> dict:
 
 
 def ulysses_part(args, report: dict) -> None:
-    shape = Shape(seq=args.seq) if not args.quick else Shape(vocab=1024, d_model=64, layers=2, heads=4, seq=1024)
+    shape = replace(ULYSSES, seq=args.seq) if not args.quick else \
+        Shape(vocab=1024, d_model=64, layers=2, heads=4, seq=1024, micro_batch=1)
     print(f"ulysses: GPT {asdict(shape)}, SP=2 (DistributedAttention around SDPA, causal) vs one rank with the "
           f"whole sequence; memory: one step after a warm-up, malloc pinned; time: {args.steps} steps of each, alternating, "
           f"after a warm-up, malloc untouched", flush=True)
@@ -371,7 +382,8 @@ def _torchrun(backend: str, args, shape: Shape, out: str) -> dict:
 
 
 def deepspeed_part(args, report: dict) -> None:
-    shape = Shape(seq=args.seq) if not args.quick else Shape(vocab=1024, d_model=64, layers=2, heads=4, seq=1024)
+    shape = replace(ULYSSES, seq=args.seq) if not args.quick else \
+        Shape(vocab=1024, d_model=64, layers=2, heads=4, seq=1024, micro_batch=1)
     if not (Path(args.dsref) / "bin" / "torchrun").exists():
         print(f"deepspeed: {args.dsref}/bin/torchrun not found: DeepSpeed's comparison skipped", flush=True)
         return
