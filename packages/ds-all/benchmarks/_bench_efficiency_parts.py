@@ -1,74 +1,27 @@
-"""The parts of ``bench_efficiency.py`` (see its docstring): the GPT (the yardstick's pre-LN decoder, its
-sizes as arguments, a forward that takes DeepSpeed's ``curriculum_seqlen`` and ``pld_theta``), the Markov
-walks with a known loss floor, and the forward FLOPs of each arm's state from ds-profiler. Not a benchmark by
-itself (nox's ``bench`` session runs ``bench_*.py`` only)."""
+"""The parts of ``bench_efficiency.py`` (see its docstring): the GPT (the yardstick's, ``_yardstick.py`` in
+ds-zero's benchmarks: its sizes as a ``Shape``, a forward that takes DeepSpeed's ``curriculum_seqlen`` and
+``pld_theta``), the Markov walks with a known loss floor, and the forward FLOPs of each arm's state from
+ds-profiler. Not a benchmark by itself (nox's ``bench`` session runs ``bench_*.py`` only)."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import sys
+from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from torch import nn
+
+# the yardstick's one definition (ARCHITECTURE.md, "The yardstick workload"), from ds-zero's benchmarks folder by
+# path: benchmarks are not installed, and this package gains no dependency on ds-zero
+sys.path.append(str(Path(__file__).resolve().parents[2] / "ds-zero" / "benchmarks"))
+from _yardstick import GPT, Block, Shape
 
 from ds_profiler import get_model_profile
 
+__all__ = ["GPT", "LOSS_FLOOR", "SUCCESSORS", "Block", "ForwardFlops", "MarkovWalks", "Shape"]
+
 SUCCESSORS = 4  # each token's next token is one of 4, uniformly: the loss floor is ln 4
 LOSS_FLOOR = math.log(SUCCESSORS)
-
-
-@dataclass(frozen=True)
-class Shape:
-    vocab: int
-    d_model: int
-    layers: int
-    heads: int
-    seq: int
-    micro_batch: int
-
-
-class Block(nn.Module):
-    """The yardstick's pre-LN block (``packages/ds-zero/benchmarks/bench_zero.py``), sizes as arguments."""
-
-    def __init__(self, d_model: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(d_model), nn.LayerNorm(d_model)
-        self.qkv, self.proj = nn.Linear(d_model, 3 * d_model), nn.Linear(d_model, d_model)
-        self.fc, self.out = nn.Linear(d_model, 4 * d_model), nn.Linear(4 * d_model, d_model)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, d)
-        x = x + self.proj(attn)
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))
-
-
-class GPT(nn.Module):
-    """The yardstick GPT; ``forward(tokens, curriculum_seqlen=None, progressive_layer_drop=None,
-    pld_theta=None)`` returns the next-token loss. ``curriculum_seqlen`` truncates the sequences (as
-    DeepSpeed's Megatron example does with the engine's value); ``pld_theta`` goes to every block (wrap them in
-    ``ds_data.ProgressiveLayerDropBlock`` first)."""
-
-    def __init__(self, shape: Shape) -> None:
-        super().__init__()
-        self.vocab = shape.vocab
-        self.tok, self.pos = nn.Embedding(shape.vocab, shape.d_model), nn.Embedding(shape.seq, shape.d_model)
-        self.blocks = nn.ModuleList(Block(shape.d_model, shape.heads) for _ in range(shape.layers))
-        self.norm, self.head = nn.LayerNorm(shape.d_model), nn.Linear(shape.d_model, shape.vocab, bias=False)
-
-    def forward(self, tokens: torch.Tensor, curriculum_seqlen: int | None = None,
-                progressive_layer_drop: bool | None = None, pld_theta: float | None = None) -> torch.Tensor:
-        if curriculum_seqlen is not None and curriculum_seqlen < tokens.shape[1]:
-            tokens = tokens[:, :curriculum_seqlen]
-        x = self.tok(tokens) + self.pos(torch.arange(tokens.shape[1], device=tokens.device))
-        pld = {} if pld_theta is None else {"progressive_layer_drop": progressive_layer_drop, "pld_theta": pld_theta}
-        for block in self.blocks:
-            x = block(x, **pld)
-        logits = self.head(self.norm(x))
-        return F.cross_entropy(logits[:, :-1].reshape(-1, self.vocab), tokens[:, 1:].reshape(-1))
 
 
 class MarkovWalks:

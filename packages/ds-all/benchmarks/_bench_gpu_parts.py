@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -14,27 +15,18 @@ import statistics
 import sys
 import time
 import traceback
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
+from pathlib import Path
+
+# the yardstick's one definition (ARCHITECTURE.md, "The yardstick workload"), from ds-zero's benchmarks folder by
+# path: benchmarks are not installed, and this package gains no dependency on ds-zero
+sys.path.append(str(Path(__file__).resolve().parents[2] / "ds-zero" / "benchmarks"))
+from _yardstick import GPT, Shape
 
 logger = logging.getLogger("bench_gpu")
 LR, WEIGHT_DECAY = 3e-4, 0.01
 LOSS_TOLERANCE = 0.02  # relative, the last step's loss against plain PyTorch's
 HOST_BYTES_PER_PARAM = 18  # ZeRO-Offload on the host: fp32 master, exp_avg, exp_avg_sq, fp32 grad; bf16 staging
-
-
-@dataclass(frozen=True)
-class Shape:
-    vocab: int
-    d_model: int
-    layers: int
-    heads: int
-    seq: int
-    micro_batch: int
-
-    def params(self) -> int:  # what GPT(self) holds: per block 12 d^2 + 13 d, embeddings, final norm, LM head
-        d = self.d_model
-        return self.layers * (12 * d * d + 13 * d) + (2 * self.vocab + self.seq + 2) * d
-
 
 GPT_350M = Shape(50304, 1024, 20, 16, 1024, 8)
 OFFLOAD_SIZES = {"5.2B": Shape(50304, 4096, 24, 32, 1024, 4), "6.0B": Shape(50304, 4096, 28, 32, 1024, 4),
@@ -44,44 +36,9 @@ SMOKE_OFFLOAD = {"s2": Shape(256, 64, 3, 4, 32, 2), "s1": Shape(256, 64, 2, 4, 3
 
 
 def _model_classes():
-    import torch
-    import torch.nn.functional as F
-    from torch import nn
-
-    class Block(nn.Module):
-        """bench_zero.py's pre-LN block (ARCHITECTURE.md's yardstick), its sizes from ``shape``."""
-
-        def __init__(self, shape: Shape):
-            super().__init__()
-            d = shape.d_model
-            self.heads = shape.heads
-            self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-            self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-            self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-
-        def forward(self, x):
-            b, s, d = x.shape
-            q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-            attn = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, d)
-            x = x + self.proj(attn)
-            return x + self.out(F.gelu(self.fc(self.ln2(x))))
-
-    class GPT(nn.Module):
-        def __init__(self, shape: Shape):
-            super().__init__()
-            self.vocab = shape.vocab
-            self.tok, self.pos = nn.Embedding(shape.vocab, shape.d_model), nn.Embedding(shape.seq, shape.d_model)
-            self.blocks = nn.ModuleList(Block(shape) for _ in range(shape.layers))
-            self.norm, self.head = nn.LayerNorm(shape.d_model), nn.Linear(shape.d_model, shape.vocab, bias=False)
-
-        def forward(self, tokens):
-            x = self.tok(tokens) + self.pos(torch.arange(tokens.shape[1], device=tokens.device))
-            for block in self.blocks:
-                x = block(x)
-            logits = self.head(self.norm(x))
-            return F.cross_entropy(logits[:, :-1].reshape(-1, self.vocab).float(), tokens[:, 1:].reshape(-1))
-
-    return GPT
+    """The yardstick GPT (``_yardstick.py``) whose loss is the cross entropy of float32 logits (the engine's runs
+    are in bf16)."""
+    return functools.partial(GPT, float_loss=True)
 
 
 # ---------------------------------------------------------------- inside a part's process

@@ -1,14 +1,16 @@
 """The MoE benchmark's workload and its engine runner (``bench_moe.py`` uses them; see its docstring).
 
-This file imports torch only at module level, so that the same model code runs under DeepSpeed 0.19.8's
-venv and under ds-all: ``build_gpt`` takes the MoE class to use (``deepspeed.moe.layer.MoE`` or
-``ds_moe.MoE``), and ``python _bench_moe_parts.py --backend deepspeed|ds_all ...`` (under ``torchrun``) trains
-it through that backend's ``initialize`` with one config dict and writes each rank's step times to JSON.
+This file imports torch only at module level (and ``packages/ds-zero/benchmarks/_yardstick.py``, the yardstick,
+which imports torch only), so that the same model code runs under DeepSpeed 0.19.8's venv and under ds-all:
+``build_gpt`` takes the MoE class to use (``deepspeed.moe.layer.MoE`` or ``ds_moe.MoE``), and
+``python _bench_moe_parts.py --backend deepspeed|ds_all ...`` (under ``torchrun``) trains it through that backend's
+``initialize`` with one config dict and writes each rank's step times to JSON.
 
-The model: ARCHITECTURE.md's yardstick GPT (pre-LN decoder, untied head, no dropout) whose every block's MLP
-is either dense (``d_model -> hidden -> d_model``, GELU) or an MoE layer of ``num_experts`` copies of the
-usual MLP (``d_model -> 4 d_model -> d_model``), top-``k`` gated. The forward returns ``(cross entropy, sum of
-the layers' l_aux)`` and keeps each MoE layer's ``exp_counts`` in ``model.exp_counts``.
+The model: ARCHITECTURE.md's yardstick GPT (pre-LN decoder, untied head, no dropout: ``_yardstick.py``'s, its
+blocks subclassed) whose every block's MLP is either dense (``d_model -> hidden -> d_model``, GELU) or an MoE layer
+of ``num_experts`` copies of the usual MLP (``d_model -> 4 d_model -> d_model``), top-``k`` gated. The forward
+returns ``(cross entropy, sum of the layers' l_aux)`` and keeps each MoE layer's ``exp_counts`` in
+``model.exp_counts``.
 """
 
 from __future__ import annotations
@@ -17,26 +19,23 @@ import argparse
 import json
 import logging
 import os
+import sys
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+# the yardstick's one definition (ARCHITECTURE.md, "The yardstick workload"), from ds-zero's benchmarks folder by
+# path: benchmarks are not installed, and this package gains no dependency on ds-zero
+sys.path.append(str(Path(__file__).resolve().parents[2] / "ds-zero" / "benchmarks"))
+import _yardstick as yardstick
+from _yardstick import Shape
 
 logger = logging.getLogger(__name__)
 
 ADAMW = {"lr": 1e-4, "weight_decay": 0.01}
-
-
-@dataclass(frozen=True)
-class Shape:
-    vocab: int = 8192
-    d_model: int = 512
-    layers: int = 8
-    heads: int = 8
-    seq: int = 256
-    micro_batch: int = 4
 
 
 @dataclass(frozen=True)
@@ -52,13 +51,13 @@ class Moe:
     aux_coeff: float = 0.01
 
 
-class Block(nn.Module):
+class Block(yardstick.Block):
+    """The yardstick's block (its attention half) with the MLP that ``moe`` says: dense, or ``moe_cls``'s layer.
+    Returns ``(x, l_aux, exp_counts)`` (``None, None`` for the dense MLP)."""
+
     def __init__(self, shape: Shape, moe: Moe, moe_cls) -> None:
-        super().__init__()
+        super().__init__(shape.d_model, shape.heads, mlp=False)
         d = shape.d_model
-        self.heads = shape.heads
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
         if moe.num_experts == 0:
             hidden = moe.hidden or moe.k * 4 * d
             self.mlp, self.moe = nn.Sequential(nn.Linear(d, hidden), nn.GELU(), nn.Linear(hidden, d)), None
@@ -71,27 +70,22 @@ class Block(nn.Module):
                                                **kwargs)
 
     def forward(self, x):
-        b, s, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, d)
-        x = x + self.proj(attn)
+        x = self.attend(x)
         if self.moe is None:
             return x + self.mlp(self.ln2(x)), None, None
         out, l_aux, exp_counts = self.moe(self.ln2(x))
         return x + out, l_aux, exp_counts
 
 
-class GPT(nn.Module):
+class GPT(yardstick.GPT):
+    """The yardstick GPT of these blocks; the forward returns ``(cross entropy, sum of the layers' l_aux)``."""
+
     def __init__(self, shape: Shape, moe: Moe, moe_cls=None) -> None:
-        super().__init__()
-        self.shape = shape
-        self.tok, self.pos = nn.Embedding(shape.vocab, shape.d_model), nn.Embedding(shape.seq, shape.d_model)
-        self.blocks = nn.ModuleList(Block(shape, moe, moe_cls) for _ in range(shape.layers))
-        self.norm, self.head = nn.LayerNorm(shape.d_model), nn.Linear(shape.d_model, shape.vocab, bias=False)
+        super().__init__(shape, block=lambda: Block(shape, moe, moe_cls))
         self.exp_counts: list[torch.Tensor] = []
 
     def forward(self, tokens):
-        x = self.tok(tokens) + self.pos(torch.arange(tokens.shape[1], device=tokens.device))
+        x = self.embed(tokens)
         aux = x.new_zeros(())
         self.exp_counts = []
         for block in self.blocks:
@@ -99,9 +93,7 @@ class GPT(nn.Module):
             if l_aux is not None:
                 aux = aux + l_aux
                 self.exp_counts.append(exp_counts.detach())
-        logits = self.head(self.norm(x))
-        ce = F.cross_entropy(logits[:, :-1].reshape(-1, self.shape.vocab), tokens[:, 1:].reshape(-1))
-        return ce, aux
+        return self.loss(x, tokens), aux
 
 
 def build_gpt(shape: Shape, moe: Moe, moe_cls=None, seed: int = 0) -> GPT:
@@ -110,13 +102,14 @@ def build_gpt(shape: Shape, moe: Moe, moe_cls=None, seed: int = 0) -> GPT:
 
 
 def tokens(shape: Shape, step: int, rank: int, skew: float = 0.0) -> torch.Tensor:
-    """Micro-batch ``[micro_batch, seq]`` of step ``step`` on ``rank`` (fixed seed). ``skew == 0``: uniform random
-    tokens. ``skew > 0``: a skewed, learnable stream: tokens at even positions drawn from a Zipf law of exponent
-    ``skew`` over the vocabulary, each odd position a fixed random function of the token before it."""
+    """Micro-batch ``[micro_batch, seq]`` of step ``step`` on ``rank`` (fixed seed). ``skew == 0``: the yardstick's
+    uniform random tokens. ``skew > 0``: a skewed, learnable stream: tokens at even positions drawn from a Zipf
+    law of exponent ``skew`` over the vocabulary, each odd position a fixed random function of the token before
+    it."""
+    if skew <= 0:
+        return yardstick.tokens(step, 0, rank, shape)
     g = torch.Generator().manual_seed(100_000 * step + rank)
     b, s, v = shape.micro_batch, shape.seq, shape.vocab
-    if skew <= 0:
-        return torch.randint(0, v, (b, s), generator=g)
     weights = torch.arange(1, v + 1, dtype=torch.float64).pow(-skew)
     out = torch.multinomial(weights, b * s, replacement=True, generator=g).view(b, s)
     successor = torch.randperm(v, generator=torch.Generator().manual_seed(12345))

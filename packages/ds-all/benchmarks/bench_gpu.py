@@ -4,8 +4,8 @@ Five parts, each in a fresh Python process (a crash, a CUDA error or an out-of-m
 part, not the run), each writing its figures as it goes, so a part stopped at its time limit still
 reports what it measured:
 
-* ``gpt``: the GPT of the yardstick workload (ARCHITECTURE.md; ``bench_engine.py``'s model with its
-  sizes as arguments) scaled to ~356M parameters (d_model 1024, 20 layers, 16 heads, sequence 1024,
+* ``gpt``: the GPT of the yardstick workload (ARCHITECTURE.md; ``packages/ds-zero/benchmarks/_yardstick.py``,
+  its sizes as a ``Shape``) scaled to ~356M parameters (d_model 1024, 20 layers, 16 heads, sequence 1024,
   vocab 50304, micro-batch 8) in bf16 through ``ds_all.initialize`` at ZeRO stages 0-3 against plain
   PyTorch (float32 weights under ``torch.autocast`` bf16, ``torch.optim.AdamW(fused=True)``), steps
   interleaved from the same weights on the same batches: step time medians, the median of adjacent
