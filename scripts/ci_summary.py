@@ -39,8 +39,12 @@ def pytest_counts(path: Path) -> tuple[collections.Counter, collections.Counter]
     return counts, reasons
 
 
-def summarize(results: Path, cpu: str) -> list[str]:
-    """The summary line, then one line per skip reason (most frequent first)."""
+BUDGET_S = 25 * 60  # the test command's time budget on 2 cores (the hard limit is 90 minutes)
+
+
+def summarize(results: Path, cpu: str, budget_s: float = BUDGET_S) -> list[str]:
+    """The summary line, one line per skip reason (most frequent first), and a warning when the run took longer
+    than ``budget_s`` (so a slow suite is seen before it meets the hard limit)."""
     records = sorted((json.loads(p.read_text()) for p in results.glob("*.json")), key=lambda r: r["end"])
     if not records:
         return [f"ci summary: no session of this run left results in {results}"]
@@ -65,4 +69,7 @@ def summarize(results: Path, cpu: str) -> list[str]:
             f"{f' ({failed_sessions} failed)' if failed_sessions else ''}; tests {total['passed']} passed, "
             f"{total['failed']} failed, {total['skipped']} skipped ({len(reasons)} reasons); {cpu} | "
             + "; ".join(parts))
-    return [line] + [f"  skipped {n:>3}x: {reason}" for reason, n in reasons.most_common()]
+    over = records[-1]["end"] - start - budget_s
+    warning = [f"ci summary: WARNING: {_minutes(over)} over the {_minutes(budget_s)} budget: find what grew "
+               "(pytest's --durations in each session's log)"] if over > 0 else []
+    return [line] + [f"  skipped {n:>3}x: {reason}" for reason, n in reasons.most_common()] + warning

@@ -165,3 +165,6 @@ def test_the_summary_line_counts_sessions_tests_and_skip_reasons(tmp_path):
                         "(2 reasons); CPU: Xeon; features: avx512f | standalone-ds-io 1m30s 2p/1s; "
                         "tests-rest 8m30s 1p/2s/1F FAILED")
     assert lines[1:] == ["  skipped   2x: libaio missing", "  skipped   1x: no AMX"]
+    late = ci_summary.summarize(tmp_path, "CPU: Xeon", budget_s=500)
+    assert late[-1] == ("ci summary: WARNING: 1m40s over the 8m20s budget: find what grew (pytest's --durations in "
+                        "each session's log)")
