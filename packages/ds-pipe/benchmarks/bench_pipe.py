@@ -20,21 +20,32 @@ import argparse
 import itertools
 import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+# the yardstick's one definition (ARCHITECTURE.md, "The yardstick workload"), from ds-zero's benchmarks folder by
+# path: benchmarks are not installed, and this package gains no dependency on ds-zero
+sys.path.append(str(Path(__file__).resolve().parents[2] / "ds-zero" / "benchmarks"))
+import _yardstick as yardstick
 
 import ds_comm
 from ds_comm.testing import spawn
 from ds_pipe import LayerSpec, PipelineExecutor, PipelineModule
 from ds_pipe._module import partition_balanced
 
-VOCAB, D_MODEL, LAYERS, HEADS, SEQ, MICRO_BATCH = 8192, 512, 8, 8, 256, 4
+SHAPE = yardstick.Shape()  # vocab 8192, d_model 512, 8 layers, 8 heads, sequence 256, micro-batch 4
+VOCAB, D_MODEL, LAYERS, SEQ, MICRO_BATCH = SHAPE.vocab, SHAPE.d_model, SHAPE.layers, SHAPE.seq, SHAPE.micro_batch
 PIPE_MICRO_BATCHES, DP_GAS, STAGES = 8, 4, 2
 
 
+# The yardstick GPT cut into pipeline layers: its blocks are the yardstick's own (``LayerSpec(yardstick.Block,
+# ...)``); the embedding and the norm + head are the GPT's first and last modules as layers of their own (the
+# yardstick's GPT is one module, and a pipeline stage builds only its layers), the loss its loss.
 class Embed(nn.Module):
     def __init__(self):
         super().__init__()
@@ -42,21 +53,6 @@ class Embed(nn.Module):
 
     def forward(self, tokens):
         return self.tok(tokens) + self.pos(torch.arange(tokens.shape[1]))
-
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.ln1, self.ln2 = nn.LayerNorm(D_MODEL), nn.LayerNorm(D_MODEL)
-        self.qkv, self.proj = nn.Linear(D_MODEL, 3 * D_MODEL), nn.Linear(D_MODEL, D_MODEL)
-        self.fc, self.out = nn.Linear(D_MODEL, 4 * D_MODEL), nn.Linear(4 * D_MODEL, D_MODEL)
-
-    def forward(self, x):
-        b, s, _ = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, HEADS, D_MODEL // HEADS).permute(2, 0, 3, 1, 4)
-        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, D_MODEL)
-        x = x + self.proj(attn)
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))
 
 
 class Head(nn.Module):
@@ -73,12 +69,12 @@ def loss_fn(logits, tokens):
 
 
 def specs() -> list[LayerSpec]:
-    return [LayerSpec(Embed)] + [LayerSpec(Block) for _ in range(LAYERS)] + [LayerSpec(Head)]
+    blocks = [LayerSpec(yardstick.Block, SHAPE.d_model, SHAPE.heads) for _ in range(LAYERS)]
+    return [LayerSpec(Embed), *blocks, LayerSpec(Head)]
 
 
 def _tokens(step: int, micro: int, replica: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(100_000 * step + 100 * micro + replica)
-    return torch.randint(0, VOCAB, (MICRO_BATCH, SEQ), generator=g)
+    return yardstick.tokens(step, micro, replica, SHAPE)
 
 
 def layer_costs(repeats: int = 3) -> list[float]:
