@@ -56,6 +56,8 @@ class Block(nn.Module):
         return self.norm2(x + self.output(F.gelu(self.intermediate(x))))
 
 
+# Not the yardstick GPT (ARCHITECTURE.md): a post-LN encoder classifier whose modules carry BERT's names
+# (attention.self.query, intermediate, output), the names that compression configs match, as DeepSpeed's examples.
 class Encoder(nn.Module):
     def __init__(self, dim=128, heads=8, ffn=512, layers=4):
         super().__init__()
