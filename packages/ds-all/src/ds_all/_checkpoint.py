@@ -31,15 +31,15 @@ import logging
 import os
 import shutil
 import threading
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from ds_config import write_atomic
 
 import ds_comm
-import ds_moe
 import ds_ops
 import ds_zero
 from ds_zero import (
@@ -49,11 +49,8 @@ from ds_zero import (
     write_recovery_scripts,
 )
 
-from . import _data_efficiency
-from ._deepspeed_checkpoint import LATEST_UNIVERSAL, load_deepspeed
-
-if TYPE_CHECKING:
-    from ._engine import DeepSpeedEngine
+from ._deepspeed_checkpoint import LATEST_UNIVERSAL
+from ._train_state import Restore, Stateful
 
 logger = logging.getLogger("ds_all")
 
@@ -95,11 +92,10 @@ def check_directory(path: Any, call: str, name: str) -> None:
         raise ValueError(f"{call}: {name} must be a directory (a non-empty str or os.PathLike), got {path!r}")
 
 
-def _validate_tag_across_ranks(engine: DeepSpeedEngine, tag: str) -> None:
-    mode = engine.config.checkpoint.tag_validation
-    if mode == "Ignore" or engine.world_size == 1:
+def _validate_tag_across_ranks(mode: str, world_size: int, tag: str) -> None:
+    if mode == "Ignore" or world_size == 1:
         return
-    tags: list[Any] = [None] * engine.world_size
+    tags: list[Any] = [None] * world_size
     torch.distributed.all_gather_object(tags, tag)
     if len(set(tags)) > 1:
         message = f"checkpoint tags differ across ranks: {tags}"
@@ -147,60 +143,6 @@ def _rng_states() -> dict[str, torch.Tensor]:
     return states
 
 
-def _moe_layout(engine: DeepSpeedEngine) -> dict[str, list[int]]:
-    """``{layer name: [num_experts, ep_size]}`` of the model's MoE layers (recorded in the metadata)."""
-    return {prefix: [layer.num_experts, layer.ep_size] for prefix, layer in engine.module.named_modules()
-            if isinstance(layer, ds_moe.MoE)}
-
-
-def _log_moe_resharding(engine: DeepSpeedEngine, saved: dict[str, list[int]] | None, path: Path) -> None:
-    now = _moe_layout(engine)
-    changed = {name: (saved[name][1], layout[1]) for name, layout in now.items()
-               if saved and name in saved and saved[name][1] != layout[1]}
-    if changed:
-        logger.info("load_checkpoint: %s was saved at another ep_size (layer: saved -> now) %s; each rank reads its "
-                    "experts by their global ids", path, changed)
-
-
-def save_checkpoint(engine: DeepSpeedEngine, save_dir: Any, tag: str | None = None, client_state: dict | None = None,
-                    save_latest: bool = True, exclude_frozen_parameters: bool = False,
-                    async_save: bool = False) -> bool:
-    check_directory(save_dir, "save_checkpoint", "save_dir")
-    zero = engine._require_optimizer("save_checkpoint")
-    wait_checkpoint(engine)  # one save at a time
-    tag = _check_tag(tag if tag is not None else f"global_step{engine.global_steps}")
-    plain, tensors = _split_client_state(client_state or {})
-    _validate_tag_across_ranks(engine, tag)
-    root = Path(save_dir)
-    partial = root / f".{tag}.partial"
-    if engine.global_rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(partial, ignore_errors=True)  # a save interrupted earlier
-        partial.mkdir()
-    ds_comm.barrier()
-    extra = {**_rng_states(), **{f"client/{k}": v for k, v in tensors.items()}}
-    group = _writer_group(engine) if async_save else None
-    written = save_zero_checkpoint(zero, partial, extra=extra, exclude_frozen_parameters=exclude_frozen_parameters,
-                                   async_group=group, tensor_parallel_group=tensor_parallel_group(engine.mpu))
-    meta = None
-    if engine.global_rank == 0:  # what the run is at now (the write may finish steps later)
-        meta = {"format": FORMAT, "tag": tag, "world_size": engine.world_size, "dp_world_size": engine.dp_world_size,
-                "global_steps": engine.global_steps, "global_samples": engine.global_samples,
-                "micro_steps": engine.micro_steps, "zero_stage": engine.zero_optimization_stage(),
-                "lr_scheduler": _scheduler_state(engine), "data_loader": engine._loader_state(),
-                "data_efficiency": _data_efficiency.state(engine), "moe": _moe_layout(engine),
-                "client_state": plain, "client_tensors": sorted(tensors)}
-    if written is not None:
-        engine._pending_save = _PendingSave(written, lambda: _complete(root, tag, meta, save_latest)
-                                            if engine.global_rank == 0 else None)
-        return True
-    ds_comm.barrier()  # every rank's shards are written and fsynced (DCP's sync_files)
-    if engine.global_rank == 0:
-        _complete(root, tag, meta, save_latest)
-    ds_comm.barrier()
-    return True
-
-
 def _complete(root: Path, tag: str, meta: dict[str, Any], save_latest: bool) -> None:
     """Rank 0, once every rank's files are written: the engine's metadata, the rename into place,
     then ``latest``."""
@@ -217,14 +159,6 @@ def _complete(root: Path, tag: str, meta: dict[str, Any], save_latest: bool) -> 
     if save_latest:
         write_atomic(root / LATEST, tag)
     write_recovery_scripts(root)  # zero_to_fp32.py and zero_to_torch.py, where DeepSpeed's save puts its own
-
-
-def _writer_group(engine: DeepSpeedEngine) -> Any:
-    """A gloo group of every rank for the background writer's collectives (training's own must not
-    interleave with them); made once, by every rank at its first asynchronous save."""
-    if engine._writer_group is None:
-        engine._writer_group = torch.distributed.new_group(backend="gloo")
-    return engine._writer_group
 
 
 class _PendingSave:
@@ -252,29 +186,29 @@ class _PendingSave:
                 from self.error
 
 
-def wait_checkpoint(engine: DeepSpeedEngine) -> None:
-    """Wait for the asynchronous save in flight, if any (every rank calls it): afterwards its tag is in
-    place and ``latest`` names it. A failure in the background is raised here."""
-    pending, engine._pending_save = engine._pending_save, None
-    if pending is None:
-        return
-    try:
-        pending.wait()
-    finally:
-        ds_comm.barrier()  # rank 0's rename is done before any rank goes on
+class ScheduleState:
+    """The learning-rate schedule (None: none) as a part of a checkpoint: its ``state_dict``, which must be plain
+    data (the metadata is JSON)."""
 
+    restore = Restore.SCHEDULE
 
-def _scheduler_state(engine: DeepSpeedEngine) -> Any:
-    if engine.lr_scheduler is None or not hasattr(engine.lr_scheduler, "state_dict"):
-        return None
-    state = engine.lr_scheduler.state_dict()
-    try:
-        json.dumps(state)
-    except (TypeError, ValueError):
-        raise ValueError(f"save_checkpoint: the schedule's state ({type(engine.lr_scheduler).__name__}) holds values "
-                         "that are not plain data; it cannot be saved safely") from None
-    return state
+    def __init__(self, scheduler: Any) -> None:
+        self.scheduler = scheduler
 
+    def state_dict(self) -> Any:
+        if self.scheduler is None or not hasattr(self.scheduler, "state_dict"):
+            return None
+        state = self.scheduler.state_dict()
+        try:
+            json.dumps(state)
+        except (TypeError, ValueError):
+            raise ValueError(f"save_checkpoint: the schedule's state ({type(self.scheduler).__name__}) holds values "
+                             "that are not plain data; it cannot be saved safely") from None
+        return state
+
+    def load_state_dict(self, state: Any) -> None:
+        if self.scheduler is not None and state is not None:
+            self.scheduler.load_state_dict(state)
 
 def _resolve_tag(root: Path, tag: str | None, universal: bool = False) -> str | None:
     if tag is not None:
@@ -287,66 +221,6 @@ def _resolve_tag(root: Path, tag: str | None, universal: bool = False) -> str | 
     return _check_tag(latest.read_text().strip())
 
 
-def load_checkpoint(engine: DeepSpeedEngine, load_dir: Any, tag: str | None = None, load_module_strict: bool = True,
-                    load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-                    load_module_only: bool = False) -> tuple[str | None, dict | None]:
-    zero = engine._require_optimizer("load_checkpoint")
-    wait_checkpoint(engine)
-    root = Path(load_dir)
-    tag = _resolve_tag(root, tag, engine.config.checkpoint.load_universal)
-    if tag is None:
-        logger.warning("load_checkpoint: %s has no '%s' file and no tag was given; nothing loaded", root, LATEST)
-        return None, None
-    path = root / tag
-    if not (path / META_FILE).exists() and is_deepspeed_checkpoint(path):  # written by DeepSpeed itself
-        return load_deepspeed(engine, zero, path, load_module_strict, load_optimizer_states,
-                              load_lr_scheduler_states, load_module_only)
-    if not (path / META_FILE).exists():
-        if (root / f".{tag}.partial").exists():
-            raise FileNotFoundError(f"load_checkpoint: {path} was never completed (its save was interrupted: "
-                                    f"{root / f'.{tag}.partial'}); load another tag")
-        raise FileNotFoundError(f"load_checkpoint: {path} is not a checkpoint (no {META_FILE})")
-    try:
-        meta = json.loads((path / META_FILE).read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"load_checkpoint: {path / META_FILE} is corrupt ({e})") from None
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"load_checkpoint: {path} has format {meta.get('format')!r}; this ds-all reads {FORMAT}")
-    rank = engine.global_rank
-    same_world = meta["world_size"] == engine.world_size
-    extra: dict[str, torch.Tensor] = {}
-    rng = torch.get_rng_state()
-    saved = ds_zero.SafeReader(str(path)).read_metadata().state_dict_metadata  # (loads DCP: on first use)
-    device_key = _device_rng_key(rank)
-    device_rng = ds_ops.get_accelerator().get_rng_state() \
-        if same_world and device_key is not None and device_key in saved else None
-    if same_world:  # each rank's own random state; on another world size the ranks' streams differ anyway
-        extra[f"rng/{rank}/cpu"] = rng
-        if device_rng is not None:  # saved on this kind of device (a CPU run's checkpoint has none)
-            extra[device_key] = device_rng
-    client_tensors = _client_tensors(path, meta["client_tensors"], saved)
-    extra.update({f"client/{k}": v for k, v in client_tensors.items()})
-    optimizer_too = load_optimizer_states and not load_module_only
-    if rank == 0:
-        _log_moe_resharding(engine, meta.get("moe"), path)
-    load_zero_checkpoint(zero, path, load_optimizer=optimizer_too, extra=extra, strict=load_module_strict,
-                         tensor_parallel_group=tensor_parallel_group(engine.mpu))
-    if same_world:
-        torch.set_rng_state(rng)
-        if device_rng is not None:
-            ds_ops.get_accelerator().set_rng_state(device_rng)
-    if not load_module_only:
-        engine.global_steps, engine.global_samples = meta["global_steps"], meta["global_samples"]
-        engine.micro_steps = meta["micro_steps"]
-        _data_efficiency.restore(engine, meta.get("data_efficiency"))
-        if same_world:  # a position in another world size's split of the data means nothing here
-            engine._restore_loader(meta.get("data_loader"))
-        if load_lr_scheduler_states and engine.lr_scheduler is not None and meta["lr_scheduler"] is not None:
-            engine.lr_scheduler.load_state_dict(meta["lr_scheduler"])
-    client_state = {**meta["client_state"], **client_tensors}
-    return str(path), client_state
-
-
 def _client_tensors(path: Path, keys: list[str], saved: dict[str, Any]) -> dict[str, torch.Tensor]:
     """The client's tensors, read into CPU tensors (as they were saved: `_split_client_state`)."""
     out = {}
@@ -356,3 +230,137 @@ def _client_tensors(path: Path, keys: list[str], saved: dict[str, Any]) -> dict[
             raise ValueError(f"load_checkpoint: {path} lists client tensor {key!r} but does not hold it")
         out[key] = torch.empty(md.size, dtype=md.properties.dtype, device="cpu")
     return out
+
+
+class Checkpointer:
+    """The engine's ``save_checkpoint``/``load_checkpoint``/``wait_checkpoint`` over one ZeRO optimizer and a dict
+    of `Stateful` parts (see the module docstring). ``states``: metadata key -> part, each part's ``state_dict()``
+    written under its key (key ``""``: its keys at the top level, format 1's place of the counters) and restored
+    when its ``restore`` says so. The asynchronous save in flight and its writer group are this object's."""
+
+    def __init__(self, zero: Any, *, states: Mapping[str, Stateful], world_size: int, global_rank: int,
+                 dp_world_size: int, zero_stage: int, mpu: Any, tag_validation: str, load_universal: bool) -> None:
+        self.zero, self.states = zero, dict(states)
+        self.world_size, self.global_rank, self.dp_world_size = world_size, global_rank, dp_world_size
+        self.zero_stage, self.mpu = zero_stage, mpu
+        self.tag_validation, self.load_universal = tag_validation, load_universal
+        self.pending: _PendingSave | None = None  # an asynchronous save still writing
+        self.writer_group: Any = None  # the process group of its background collectives
+
+    def _writer(self) -> Any:
+        """A gloo group of every rank for the background writer's collectives (training's own must not
+        interleave with them); made once, by every rank at its first asynchronous save."""
+        if self.writer_group is None:
+            self.writer_group = torch.distributed.new_group(backend="gloo")
+        return self.writer_group
+
+    def close(self) -> None:
+        """The writer group destroyed (after `wait`)."""
+        if self.writer_group is not None:
+            torch.distributed.destroy_process_group(self.writer_group)
+            self.writer_group = None
+
+    def metadata(self, tag: str, plain: dict[str, Any], tensors: list[str]) -> dict[str, Any]:
+        """``engine_meta.json``: the run's shape, every part's state under its key, and the client's values."""
+        meta: dict[str, Any] = {"format": FORMAT, "tag": tag, "world_size": self.world_size,
+                                "dp_world_size": self.dp_world_size, "zero_stage": self.zero_stage}
+        for key, part in self.states.items():
+            if key:
+                meta[key] = part.state_dict()
+            else:
+                meta.update(part.state_dict())
+        return {**meta, "client_state": plain, "client_tensors": sorted(tensors)}
+
+    def save(self, save_dir: Any, tag: str, client_state: dict | None, save_latest: bool,
+             exclude_frozen_parameters: bool, async_save: bool) -> bool:
+        check_directory(save_dir, "save_checkpoint", "save_dir")
+        self.wait()  # one save at a time
+        tag = _check_tag(tag)
+        plain, tensors = _split_client_state(client_state or {})
+        _validate_tag_across_ranks(self.tag_validation, self.world_size, tag)
+        root = Path(save_dir)
+        partial = root / f".{tag}.partial"
+        if self.global_rank == 0:
+            root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(partial, ignore_errors=True)  # a save interrupted earlier
+            partial.mkdir()
+        ds_comm.barrier()
+        extra = {**_rng_states(), **{f"client/{k}": v for k, v in tensors.items()}}
+        group = self._writer() if async_save else None
+        written = save_zero_checkpoint(self.zero, partial, extra=extra,
+                                       exclude_frozen_parameters=exclude_frozen_parameters, async_group=group,
+                                       tensor_parallel_group=tensor_parallel_group(self.mpu))
+        # what the run is at now (the write may finish steps later)
+        meta = self.metadata(tag, plain, list(tensors)) if self.global_rank == 0 else None
+        if written is not None:
+            self.pending = _PendingSave(written, lambda: _complete(root, tag, meta, save_latest)
+                                        if self.global_rank == 0 else None)
+            return True
+        ds_comm.barrier()  # every rank's shards are written and fsynced (DCP's sync_files)
+        if self.global_rank == 0:
+            _complete(root, tag, meta, save_latest)
+        ds_comm.barrier()
+        return True
+
+    def wait(self) -> None:
+        """Wait for the asynchronous save in flight, if any (every rank calls it): afterwards its tag is in
+        place and ``latest`` names it. A failure in the background is raised here."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return
+        try:
+            pending.wait()
+        finally:
+            ds_comm.barrier()  # rank 0's rename is done before any rank goes on
+
+    def load(self, load_dir: Any, tag: str | None, load_module_strict: bool, load_optimizer_states: bool,
+             load_lr_scheduler_states: bool, load_module_only: bool,
+             load_deepspeed: Callable[..., tuple[str, dict]]) -> tuple[str | None, dict | None]:
+        """``load_deepspeed(path)``: how a tag directory DeepSpeed wrote is loaded (`_deepspeed_checkpoint`)."""
+        self.wait()
+        root = Path(load_dir)
+        tag = _resolve_tag(root, tag, self.load_universal)
+        if tag is None:
+            logger.warning("load_checkpoint: %s has no '%s' file and no tag was given; nothing loaded", root, LATEST)
+            return None, None
+        path = root / tag
+        if not (path / META_FILE).exists() and is_deepspeed_checkpoint(path):  # written by DeepSpeed itself
+            return load_deepspeed(path)
+        if not (path / META_FILE).exists():
+            if (root / f".{tag}.partial").exists():
+                raise FileNotFoundError(f"load_checkpoint: {path} was never completed (its save was interrupted: "
+                                        f"{root / f'.{tag}.partial'}); load another tag")
+            raise FileNotFoundError(f"load_checkpoint: {path} is not a checkpoint (no {META_FILE})")
+        try:
+            meta = json.loads((path / META_FILE).read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"load_checkpoint: {path / META_FILE} is corrupt ({e})") from None
+        if meta.get("format") != FORMAT:
+            raise ValueError(f"load_checkpoint: {path} has format {meta.get('format')!r}; this ds-all reads {FORMAT}")
+        rank = self.global_rank
+        same_world = meta["world_size"] == self.world_size
+        extra: dict[str, torch.Tensor] = {}
+        rng = torch.get_rng_state()
+        saved = ds_zero.SafeReader(str(path)).read_metadata().state_dict_metadata  # (loads DCP: on first use)
+        device_key = _device_rng_key(rank)
+        device_rng = ds_ops.get_accelerator().get_rng_state() \
+            if same_world and device_key is not None and device_key in saved else None
+        if same_world:  # each rank's own random state; on another world size the ranks' streams differ anyway
+            extra[f"rng/{rank}/cpu"] = rng
+            if device_rng is not None:  # saved on this kind of device (a CPU run's checkpoint has none)
+                extra[device_key] = device_rng
+        client_tensors = _client_tensors(path, meta["client_tensors"], saved)
+        extra.update({f"client/{k}": v for k, v in client_tensors.items()})
+        optimizer_too = load_optimizer_states and not load_module_only
+        load_zero_checkpoint(self.zero, path, load_optimizer=optimizer_too, extra=extra, strict=load_module_strict,
+                             tensor_parallel_group=tensor_parallel_group(self.mpu))
+        if same_world:
+            torch.set_rng_state(rng)
+            if device_rng is not None:
+                ds_ops.get_accelerator().set_rng_state(device_rng)
+        for key, part in self.states.items():
+            if part.restore.wanted(module_only=load_module_only, same_world=same_world,
+                                   schedule=load_lr_scheduler_states):
+                part.load_state_dict(meta.get(key) if key else meta)
+        client_state = {**meta["client_state"], **client_tensors}
+        return str(path), client_state

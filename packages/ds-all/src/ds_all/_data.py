@@ -10,6 +10,8 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 import ds_ops
 
+from ._train_state import Restore
+
 
 def pins_memory(accelerator: Any = None) -> bool:
     """Whether the engine's loaders pin their batches (``deepspeed_io(pin_memory=True)``): with a GPU
@@ -104,6 +106,26 @@ class ResumableSampler(torch.utils.data.Sampler):
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.set_epoch(int(state["epoch"]))
         self._skip = int(state["consumed"])
+
+
+class LoaderPosition:
+    """The training loader's position as a part of a checkpoint: its `ResumableSampler`'s state (None for any
+    other loader), restored only on the world size it was saved on (a position in another world size's split of
+    the data means nothing there)."""
+
+    restore = Restore.SAME_WORLD
+
+    def __init__(self, loader: Any = None) -> None:
+        self.loader = loader
+
+    def state_dict(self) -> dict | None:
+        sampler = getattr(self.loader, "sampler", None)
+        return sampler.state_dict() if isinstance(sampler, ResumableSampler) else None
+
+    def load_state_dict(self, state: dict | None) -> None:
+        sampler = getattr(self.loader, "sampler", None)
+        if state is not None and isinstance(sampler, ResumableSampler):
+            sampler.load_state_dict(state)
 
 
 class RepeatingLoader:

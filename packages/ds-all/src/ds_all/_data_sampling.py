@@ -14,25 +14,22 @@ sampler state goes into checkpoints with the other data-efficiency states.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
 
-import ds_comm
 from ds_data import DataSampler
 
 from . import _data
-
-if TYPE_CHECKING:
-    from ._engine import DeepSpeedEngine
+from ._train_state import Restore
 
 SECTION = "data_efficiency.data_sampling.curriculum_learning"
 
 
-def enabled(engine: DeepSpeedEngine) -> bool:
+def enabled(config: Any) -> bool:
     """DeepSpeed's condition for its data sampler: ``curriculum_learning.enabled`` of ``data_sampling``."""
-    return engine.config.data_efficiency.data_sampling.curriculum_learning.enabled
+    return config.data_efficiency.data_sampling.curriculum_learning.enabled
 
 
 class SamplingLoader(DataLoader):
@@ -79,27 +76,27 @@ class SamplingLoader(DataLoader):
         self._resuming = True
 
 
-def loader(engine: DeepSpeedEngine, dataset: Any, *, batch_size: int | None, pin_memory: bool,
-           collate_fn: Callable | None) -> SamplingLoader:
-    """The loader of ``deepspeed_io`` with the data sampler (see the module docstring)."""
+def loader(config: Any, dataset: Any, *, batch_size: int | None, dp_rank: int, dp_world_size: int,
+           global_rank: int, pin_memory: bool, collate_fn: Callable | None) -> SamplingLoader:
+    """The loader of ``deepspeed_io`` with the data sampler (see the module docstring): this data-parallel rank's
+    micro-batches (``batch_size``, else the config's) of global batches of ``train_batch_size``."""
     if not _data.is_map_style(dataset) or isinstance(dataset, torch.utils.data.IterableDataset):
         raise ValueError(f"deepspeed_io: {SECTION} samples a map-style dataset (__len__, __getitem__) by index, got "
                          f"{type(dataset).__name__}")
-    section = engine.config.data_efficiency
+    section = config.data_efficiency
     sampling = section.data_sampling
-    micro = batch_size if batch_size is not None else engine.train_micro_batch_size_per_gpu()
+    micro = batch_size if batch_size is not None else config.train_micro_batch_size_per_gpu
     sampler = DataSampler(
-        len(dataset), sampling.num_epochs, micro, ds_comm.get_rank(engine.data_parallel_group), engine.dp_world_size,
-        gradient_accumulation_steps=engine.gradient_accumulation_steps(), global_rank=engine.global_rank,
-        drop_last=engine.config.dataloader_drop_last, curriculum_metrics=sampling.curriculum_learning.curriculum_metrics,
-        seed=section.seed, global_batch_size=engine.train_batch_size() if batch_size is None else None)
+        len(dataset), sampling.num_epochs, micro, dp_rank, dp_world_size,
+        gradient_accumulation_steps=config.gradient_accumulation_steps, global_rank=global_rank,
+        drop_last=config.dataloader_drop_last, curriculum_metrics=sampling.curriculum_learning.curriculum_metrics,
+        seed=section.seed, global_batch_size=config.train_batch_size if batch_size is None else None)
     return SamplingLoader(dataset, sampler, collate_fn=collate_fn, num_workers=sampling.num_workers,
                           pin_memory=pin_memory and _data.pins_memory())
 
 
-def _training_sampler(engine: DeepSpeedEngine, call: str) -> DataSampler:
-    loader_ = engine.training_dataloader
-    if not enabled(engine):
+def _training_sampler(config: Any, loader_: Any, call: str) -> DataSampler:
+    if not enabled(config):
         raise RuntimeError(f"engine.{call}: {SECTION} is off (the engine's loader has no data sampler)")
     if not isinstance(loader_, SamplingLoader):
         raise RuntimeError(f"engine.{call}: the engine has no training loader with the data sampler (pass "
@@ -107,33 +104,39 @@ def _training_sampler(engine: DeepSpeedEngine, call: str) -> DataSampler:
     return loader_.data_sampler
 
 
-def set_post_process(engine: DeepSpeedEngine, post_process_func: Callable | None) -> None:
-    """DeepSpeed's ``set_data_post_process_func``: ``fn(batch, sampler_state)`` on each training batch."""
+def set_post_process(config: Any, loader_: Any, post_process_func: Callable | None) -> None:
+    """DeepSpeed's ``set_data_post_process_func``: ``fn(batch, sampler_state)`` on each batch of the training
+    loader ``loader_``."""
     if post_process_func is not None and not callable(post_process_func):
         raise ValueError(f"set_data_post_process_func: post_process_func must be callable (batch, sampler state) "
                          f"or None, got {type(post_process_func).__name__}")
-    _training_sampler(engine, "set_data_post_process_func")
-    engine.training_dataloader.post_process_func = post_process_func
+    _training_sampler(config, loader_, "set_data_post_process_func")
+    loader_.post_process_func = post_process_func
 
 
-def set_custom_schedule(engine: DeepSpeedEngine, schedule_func_dict: Mapping[str, Callable[[int], int]]) -> None:
+def set_custom_schedule(config: Any, loader_: Any, schedule_func_dict: Mapping[str, Callable[[int], int]]) -> None:
     """DeepSpeed's ``set_custom_curriculum_learning_schedule``: ``{metric: fn(step) -> difficulty}`` for the
     metrics whose ``schedule_type`` is ``custom``."""
     if not isinstance(schedule_func_dict, Mapping) or not all(callable(f) for f in schedule_func_dict.values()):
         raise ValueError("set_custom_curriculum_learning_schedule: schedule_func_dict must map metric names to "
                          f"functions of the step, got {schedule_func_dict!r}")
-    _training_sampler(engine, "set_custom_curriculum_learning_schedule").set_custom_curriculum_learning_schedule(
-        schedule_func_dict)
+    _training_sampler(config, loader_, "set_custom_curriculum_learning_schedule") \
+        .set_custom_curriculum_learning_schedule(schedule_func_dict)
 
 
-def state(engine: DeepSpeedEngine) -> dict[str, Any] | None:
-    """The training loader's sampler state (every rank's is the same: each draws the global batch)."""
-    loader_ = engine.training_dataloader
-    return loader_.data_sampler.state_dict() if isinstance(loader_, SamplingLoader) else None
+class SamplerPosition:
+    """The training loader's data sampler as a part of a checkpoint (every rank's state is the same: each draws
+    the global batch); nothing to save or restore when the loader has no data sampler."""
 
+    restore = Restore.RUN
 
-def restore(engine: DeepSpeedEngine, saved: dict[str, Any] | None) -> None:
-    loader_ = engine.training_dataloader
-    if saved is not None and isinstance(loader_, SamplingLoader):
-        loader_.data_sampler.load_state_dict(saved)
-        loader_.mark_resumed()
+    def __init__(self, loader_: Any = None) -> None:
+        self.loader = loader_
+
+    def state_dict(self) -> dict[str, Any] | None:
+        return self.loader.data_sampler.state_dict() if isinstance(self.loader, SamplingLoader) else None
+
+    def load_state_dict(self, saved: dict[str, Any] | None) -> None:
+        if saved is not None and isinstance(self.loader, SamplingLoader):
+            self.loader.data_sampler.load_state_dict(saved)
+            self.loader.mark_resumed()

@@ -31,19 +31,22 @@ from . import (
     _checkpoint,
     _client,
     _data,
-    _data_efficiency,
     _data_sampling,
+    _deepspeed_checkpoint,
     _moe,
     _parallel,
     checkpointing,
 )
 from ._autotuning import EngineProfiler
+from ._checkpoint import Checkpointer, ScheduleState
+from ._data_efficiency import DataEfficiency
 from ._device import engine_device, place_model
 from ._engine_api import EngineAPI
 from ._optimizers import ONE_BIT, build_optimizer
 from ._progress import ProgressBar
 from ._scheduler_config import build_scheduler
 from ._timers import ALLREDUCE, BACKWARD, FORWARD, STEP, Timers
+from ._train_state import Stateful, TrainState
 from .config import Config
 from .monitor import Monitors
 
@@ -101,13 +104,15 @@ class DeepSpeedEngine(EngineAPI, nn.Module):
         # current device), the model moved there before ZeRO takes it; the CPU otherwise
         self.device = engine_device(self.local_rank)
         place_model(model, self.device)
-        self.global_steps = self.global_samples = self.micro_steps = 0
-        _data_efficiency.configure(self)  # progressive_layer_drop, curriculum_scheduler_legacy (or None)
+        # the parts (each from explicit inputs; DeepSpeed's attribute names forward to them, see "parts" below)
+        self.train_state = TrainState()  # global_steps, global_samples, micro_steps
+        self.data_efficiency = DataEfficiency(config, model)  # PLD, legacy curriculum, random-LTD, data sampler
+        self.loader_position = _data.LoaderPosition()  # the training loader's ResumableSampler
+        self.schedule = ScheduleState(None)  # the learning-rate schedule
+        self.checkpointer: Checkpointer | None = None  # with an optimizer: save/load over the parts' states
         self.timers = Timers(device_events=config.wall_clock_breakdown)
         self.zero: ZeroOptimizer | None = None
         self._init_api_attributes(optimizer, lr_scheduler, training_data, collate_fn)
-        self._pending_save: Any = None  # an asynchronous save still writing
-        self._writer_group: Any = None  # the process group of its background collectives
         self.optimizer: Any = None
         one_bit = ONE_BIT.get(config.optimizer.type.lower()) \
             if config.optimizer is not None and optimizer is None else None
@@ -159,6 +164,12 @@ class DeepSpeedEngine(EngineAPI, nn.Module):
             if self._zero_inference is not None:
                 self._zero_inference.close()
             raise
+        if self.zero is not None:
+            self.checkpointer = Checkpointer(
+                self.zero, states=self._checkpoint_states(), world_size=self.world_size,
+                global_rank=self.global_rank, dp_world_size=self.dp_world_size,
+                zero_stage=config.zero_optimization.stage, mpu=mpu, tag_validation=config.checkpoint.tag_validation,
+                load_universal=config.checkpoint.load_universal)
         self._autocast = self._autocast_context()
         self._gc_disabled = _python_gc_disable() if config.disable_python_gc else False
         self.flops_profiler: FlopsProfiler | None = None
@@ -169,6 +180,70 @@ class DeepSpeedEngine(EngineAPI, nn.Module):
         if config.dump_state and self.global_rank == 0:
             logger.info("ds_all config:\n%s", config.model_dump_json(indent=2, exclude_defaults=True))
         self._autotuning = EngineProfiler.attach(self)  # autotuning.enabled: profile, write the metric, exit
+
+    # ------------------------------------------------------------------------------ parts
+    def _checkpoint_states(self) -> dict[str, Stateful]:
+        """What a checkpoint holds besides ZeRO's shards: metadata key -> part (``""``: the counters, at the top
+        level of format 1's ``engine_meta.json``). A new stateful feature is one entry here."""
+        return {"": self.train_state, "lr_scheduler": self.schedule, "data_loader": self.loader_position,
+                "data_efficiency": self.data_efficiency,
+                "moe": _moe.MoELayout(self.module, log=self.global_rank == 0)}
+
+    @property
+    def global_steps(self) -> int:
+        return self.train_state.global_steps
+
+    @global_steps.setter
+    def global_steps(self, value: int) -> None:
+        self.train_state.global_steps = value
+
+    @property
+    def global_samples(self) -> int:
+        return self.train_state.global_samples
+
+    @global_samples.setter
+    def global_samples(self, value: int) -> None:
+        self.train_state.global_samples = value
+
+    @property
+    def micro_steps(self) -> int:
+        return self.train_state.micro_steps
+
+    @micro_steps.setter
+    def micro_steps(self, value: int) -> None:
+        self.train_state.micro_steps = value
+
+    @property
+    def progressive_layer_drop(self) -> Any:
+        """`ds_data.ProgressiveLayerDrop` of ``progressive_layer_drop``, or None when it is off."""
+        return self.data_efficiency.progressive_layer_drop
+
+    @property
+    def curriculum_scheduler_legacy(self) -> Any:
+        """`ds_data.CurriculumScheduler` of the top-level ``curriculum_learning``, or None when it is off."""
+        return self.data_efficiency.curriculum_scheduler_legacy
+
+    @property
+    def random_ltd_scheduler(self) -> Any:
+        """`ds_data.RandomLTDScheduler` of ``data_efficiency.data_routing.random_ltd``, or None when it is off."""
+        return self.data_efficiency.random_ltd.scheduler
+
+    @property
+    def lr_scheduler(self) -> Any:
+        return self.schedule.scheduler
+
+    @lr_scheduler.setter
+    def lr_scheduler(self, scheduler: Any) -> None:
+        self.schedule.scheduler = scheduler
+
+    @property
+    def training_dataloader(self) -> Any:
+        """The loader of ``initialize(training_data=...)`` (None without one); its position is checkpointed."""
+        return self.loader_position.loader
+
+    @training_dataloader.setter
+    def training_dataloader(self, loader: Any) -> None:
+        self.loader_position.loader = self.data_efficiency.data_sampler.loader = loader
 
     # ------------------------------------------------------------------------------ construction
     def _training_loader(self, training_data: Any, collate_fn: Callable | None):
@@ -255,9 +330,11 @@ class DeepSpeedEngine(EngineAPI, nn.Module):
         routes = ("train", "eval", "predict", "encode")
         if route not in routes:
             raise ValueError(f"deepspeed_io: route must be one of {', '.join(repr(r) for r in routes)}, got {route!r}")
-        if data_sampler is None and route in ("train", "encode") and _data_sampling.enabled(self):
-            return _data_sampling.loader(self, dataset, batch_size=batch_size, pin_memory=pin_memory,
-                                         collate_fn=collate_fn)
+        if data_sampler is None and route in ("train", "encode") and _data_sampling.enabled(self.config):
+            return _data_sampling.loader(self.config, dataset, batch_size=batch_size,
+                                         dp_rank=ds_comm.get_rank(self.data_parallel_group),
+                                         dp_world_size=self.dp_world_size, global_rank=self.global_rank,
+                                         pin_memory=pin_memory, collate_fn=collate_fn)
         return self._loader(dataset, batch_size, pin_memory, data_sampler, collate_fn, num_local_io_workers,
                             shuffle=route not in ("eval", "predict"))
 
@@ -274,7 +351,8 @@ class DeepSpeedEngine(EngineAPI, nn.Module):
         """The model's forward, timed; at ``flops_profiler.profile_step`` its first forward starts
         the profile (rank 0). In training, ``progressive_layer_drop`` adds ``progressive_layer_drop=True,
         pld_theta=θ`` and ``curriculum_learning`` ``curriculum_seqlen=<difficulty>`` to the keyword arguments."""
-        kwargs = _data_efficiency.forward_kwargs(self, kwargs)
+        if self.module.training:
+            kwargs = self.data_efficiency.forward_kwargs(kwargs, global_steps=self.train_state.global_steps)
         if self._should_profile():
             self.flops_profiler = FlopsProfiler(self.module, ds_engine=self,
                                                 recompute_fwd_factor=self.config.flops_profiler.recompute_fwd_factor)
@@ -320,8 +398,9 @@ class DeepSpeedEngine(EngineAPI, nn.Module):
         finally:
             self.timers(STEP).stop()
             self.timers(ALLREDUCE).add(zero.reduction_wait_s - waited)
-        self.micro_steps += 1
-        self.global_samples += self.train_micro_batch_size_per_gpu() * self.dp_world_size
+        counters = self.train_state
+        counters.micro_steps += 1
+        counters.global_samples += self.train_micro_batch_size_per_gpu() * self.dp_world_size
         if not boundary:
             if self.config.zero_optimization.zenflow is not None and self.lr_scheduler is not None:
                 self.lr_scheduler.step()  # DeepSpeed's ZenFlow steps the schedule at every micro-step
@@ -329,8 +408,8 @@ class DeepSpeedEngine(EngineAPI, nn.Module):
         self._step_applied = applied
         if applied and self.lr_scheduler is not None:
             self.lr_scheduler.step()
-        _data_efficiency.at_boundary(self)  # PLD's theta, from the steps before this one (DeepSpeed's order)
-        self.global_steps += 1
+        self.data_efficiency.at_boundary(counters.global_steps)  # PLD's theta from the steps before (DeepSpeed's order)
+        counters.global_steps += 1
         self._interval_steps += 1
         self._after_boundary()
 
@@ -453,21 +532,33 @@ class DeepSpeedEngine(EngineAPI, nn.Module):
         temporary name and renamed into place: an interrupted save never replaces a complete one.
         ``client_state``: JSON values and tensors, returned by `load_checkpoint`. ``async_save``: copy
         what is saved, return, and write in the background (`wait_checkpoint`)."""
-        return _checkpoint.save_checkpoint(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters,
-                                           async_save)
+        _checkpoint.check_directory(save_dir, "save_checkpoint", "save_dir")
+        self._require_optimizer("save_checkpoint")
+        return self.checkpointer.save(save_dir, tag if tag is not None else f"global_step{self.global_steps}",
+                                      client_state, save_latest, exclude_frozen_parameters, async_save)
 
     def wait_checkpoint(self) -> None:
         """Wait for a ``save_checkpoint(..., async_save=True)`` still writing (every rank calls it; a
         save, a load and `destroy` wait too). Its error, if it failed, is raised here."""
-        _checkpoint.wait_checkpoint(self)
+        if self.checkpointer is not None:
+            self.checkpointer.wait()
 
     def load_checkpoint(self, load_dir: Any, tag: str | None = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False) -> tuple[str | None, dict | None]:
         """Load ``load_dir/tag`` (default: the tag ``latest`` names), saved on any world size and ZeRO
         stage; returns ``(path, client_state)``, or ``(None, None)`` when there is nothing to load."""
-        return _checkpoint.load_checkpoint(self, load_dir, tag, load_module_strict, load_optimizer_states,
-                                           load_lr_scheduler_states, load_module_only)
+        zero = self._require_optimizer("load_checkpoint")
+
+        def load_deepspeed(path: Any) -> tuple[str, dict]:  # a tag directory DeepSpeed wrote
+            return _deepspeed_checkpoint.load_deepspeed(
+                zero, path, train_state=self.train_state, lr_scheduler=self.lr_scheduler,
+                train_batch_size=self.train_batch_size(), gradient_accumulation_steps=self.gradient_accumulation_steps(),
+                load_module_strict=load_module_strict, load_optimizer_states=load_optimizer_states,
+                load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
+
+        return self.checkpointer.load(load_dir, tag, load_module_strict, load_optimizer_states,
+                                      load_lr_scheduler_states, load_module_only, load_deepspeed)
 
     def save_16bit_model(self, save_dir: Any, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:
@@ -505,15 +596,6 @@ class DeepSpeedEngine(EngineAPI, nn.Module):
 
     save_fp16_model = save_16bit_model  # DeepSpeed's older name
 
-    def _loader_state(self) -> dict | None:
-        sampler = getattr(self.training_dataloader, "sampler", None)
-        return sampler.state_dict() if isinstance(sampler, _data.ResumableSampler) else None
-
-    def _restore_loader(self, state: dict | None) -> None:
-        sampler = getattr(self.training_dataloader, "sampler", None)
-        if state is not None and isinstance(sampler, _data.ResumableSampler):
-            sampler.load_state_dict(state)
-
     # ----------------------------------------------------------------------------- lifecycle
     def destroy(self) -> None:
         """Free what the engine holds: ZeRO's hooks and buffers, the monitors' files, the profiler,
@@ -524,9 +606,8 @@ class DeepSpeedEngine(EngineAPI, nn.Module):
         if self._zero_inference is not None:  # every parameter whole again (a collective)
             self._zero_inference.close()
             self._zero_inference = None
-        if self._writer_group is not None:
-            torch.distributed.destroy_process_group(self._writer_group)
-            self._writer_group = None
+        if self.checkpointer is not None:
+            self.checkpointer.close()
         self.zero = self.optimizer = self.lr_scheduler = self.training_dataloader = None
         if self.flops_profiler is not None:
             self.flops_profiler.end_profile()

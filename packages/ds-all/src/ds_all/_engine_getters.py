@@ -264,23 +264,21 @@ class EngineGetters:
 
     def random_ltd_initialize(self) -> None:
         """Configure the model's random-LTD wrappers (`ds_data.convert_to_random_ltd` on the engine calls it)."""
-        from . import _random_ltd
-
-        _random_ltd.initialize_layers(self)
+        self.data_efficiency.random_ltd.initialize_layers()
 
     def set_data_post_process_func(self, post_process_func: Any) -> None:
         """``post_process_func(batch, data_sampler_state)`` on each batch of the training loader's data sampler
         (``data_sampling.curriculum_learning``); its ``current_difficulties`` hold the metrics' difficulties."""
         from . import _data_sampling
 
-        _data_sampling.set_post_process(self, post_process_func)
+        _data_sampling.set_post_process(self.config, self.training_dataloader, post_process_func)
 
     def set_custom_curriculum_learning_schedule(self, schedule_func_dict: Any) -> None:
         """``{metric: fn(step) -> difficulty}``: the training loader's sampler schedules its ``custom`` metrics
         with them."""
         from . import _data_sampling
 
-        _data_sampling.set_custom_schedule(self, schedule_func_dict)
+        _data_sampling.set_custom_schedule(self.config, self.training_dataloader, schedule_func_dict)
 
     def print_forward_breakdown(self, fwd_time: float) -> None:
         """The forward's time with its MoE parts, logged on rank 0: the last forward's milliseconds in the

@@ -29,6 +29,7 @@ from ds_moe import groups as moe_groups
 from ds_pipe import PipelineModule
 
 from ._checkpoint import META_FILE
+from ._train_state import Restore
 
 logger = logging.getLogger("ds_all")
 
@@ -71,6 +72,29 @@ def _refuse_unbuilt(engine: Any, model: nn.Module) -> None:
                                   f"data-parallel world size is {engine.dp_world_size} of {engine.world_size} ranks) "
                                   "is not implemented in ds-all: the expert groups are laid over the whole world; "
                                   "train MoE with data and expert parallelism only")
+
+
+class MoELayout:
+    """The model's MoE layers as a part of a checkpoint: ``{layer name: [num_experts, ep_size]}`` recorded in the
+    metadata; at load, a change of ``ep_size`` is logged (``log``: this rank logs) and nothing else is needed
+    (ZeRO names each expert by its global id)."""
+
+    restore = Restore.ALWAYS
+
+    def __init__(self, module: nn.Module, *, log: bool) -> None:
+        self.module, self.log = module, log
+
+    def state_dict(self) -> dict[str, list[int]]:
+        return {prefix: [layer.num_experts, layer.ep_size] for prefix, layer in self.module.named_modules()
+                if isinstance(layer, ds_moe.MoE)}
+
+    def load_state_dict(self, saved: dict[str, list[int]] | None) -> None:
+        now = self.state_dict()
+        changed = {name: (saved[name][1], layout[1]) for name, layout in now.items()
+                   if saved and name in saved and saved[name][1] != layout[1]}
+        if changed and self.log:
+            logger.info("load_checkpoint: the checkpoint was saved at another ep_size (layer: saved -> now) %s; "
+                        "each rank reads its experts by their global ids", changed)
 
 
 def _expert_process_group(name: str) -> Any:

@@ -17,7 +17,6 @@ import torch
 
 from ds_pipe import PipelineExecutor, PipelineModule
 
-from . import _data_efficiency
 from ._engine import DeepSpeedEngine
 from ._optimizers import ONE_BIT
 from ._timers import ALLREDUCE, BACKWARD, STEP
@@ -153,7 +152,7 @@ class PipelineEngine(DeepSpeedEngine):
         ``(inputs, labels)`` from ``data_iter`` (default: the ``training_data`` given to initialize),
         the optimizer step, the schedule, monitors and progress. Returns the mean loss on every stage."""
         data_iter = self._data(data_iter, "train_batch")
-        _data_efficiency.before_pipeline_batch(self)
+        self.data_efficiency.before_pipeline_batch(self.global_steps)
         loss = self.executor.train_batch(data_iter)
         self.micro_steps += self.micro_batches
         self.global_samples += self.train_batch_size()
