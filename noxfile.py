@@ -64,6 +64,13 @@ WHEELHOUSE = ROOT / ".nox" / "wheelhouse"
 # through a .pth file: a torch wheel unpacked into each of CI's 16 virtualenvs cost about 10 s each. What a
 # session tests is its ds packages, installed into its own virtualenv as before; pip sees torch as present.
 SHARED_TORCH = ROOT / ".nox" / "_shared-torch"
+# The build backend of every package (hatchling; pybind11 and ninja for ds-ops' optional prebuilt ops), installed
+# once per constraints file into a virtualenv of its own, which builds a wheel of every package once per nox run
+# (LOCAL_WHEELS): the standalone sessions and the demo install those, instead of pip building each package again in
+# an isolated build environment per install (about 75 such builds a run, each fetching hatchling from the index).
+BUILD_DEPS = ["hatchling", "editables", "pybind11", "ninja"]
+BUILD_ENV = ROOT / ".nox" / "_build-env"
+LOCAL_WHEELS = ROOT / ".nox" / "_local-wheels" / str(os.getpid())
 # What each session of this nox run measured (its time, its pytest results), read by the `summary` session.
 RESULTS = ROOT / ".nox" / "_results" / str(os.getpid())
 RUN_START = time.time()  # nox reads this file once, as the run starts
@@ -80,9 +87,43 @@ def _install(session: nox.Session, *args: str, constraints: Path = CONSTRAINTS, 
     The environment may say PYTHONDONTWRITEBYTECODE (this one does), which would make every process compile
     what it imports again: empty is unset to Python. ``torch=False``: a session that needs no torch (ruff, build)."""
     session.env["PYTHONDONTWRITEBYTECODE"] = ""
+    session.env["PIP_CONSTRAINT"] = str(constraints)  # pip's isolated build environments too (hatchling)
     if torch:
         _use_shared_torch(session, constraints)
     session.install("--no-compile", "-c", str(constraints), *args)
+
+
+def _build_env(session: nox.Session) -> Path:
+    """The python of a virtualenv with BUILD_DEPS (made now if this constraints file has none yet)."""
+    key = hashlib.sha256(CONSTRAINTS.read_bytes()).hexdigest()[:16]
+    target = BUILD_ENV / key
+    python = target / "bin" / "python"
+    if not (target / ".complete").exists():
+        shutil.rmtree(target, ignore_errors=True)
+        session.run("python", "-m", "venv", str(target), silent=True)
+        session.run(str(python), "-m", "pip", "install", "--quiet", "--no-compile", "-c", str(CONSTRAINTS),
+                    *BUILD_DEPS, external=True, silent=True)
+        (target / ".complete").write_text("\n".join(BUILD_DEPS) + "\n")
+    return python
+
+
+def _local_wheels(session: nox.Session) -> dict[str, Path]:
+    """{package: the wheel of this tree's package}, built once per nox run (by the first session that asks)
+    without build isolation; given to pip by path, so nothing of an index can stand in for them."""
+    if not (LOCAL_WHEELS / ".complete").exists():
+        shutil.rmtree(LOCAL_WHEELS, ignore_errors=True)
+        env = {"DS_BUILD_OPS": "0", "PIP_CONSTRAINT": str(CONSTRAINTS)}  # pure-Python wheels; ops build at first use
+        session.run(str(_build_env(session)), "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
+                    "--wheel-dir", str(LOCAL_WHEELS), *(f"packages/{p}" for p in PACKAGES), external=True, env=env,
+                    silent=True)
+        (LOCAL_WHEELS / ".complete").write_text("")
+    wheels = {}
+    for package in PACKAGES:
+        found = sorted(LOCAL_WHEELS.glob(f"{package.replace('-', '_')}-*.whl"))
+        if len(found) != 1:
+            session.error(f"{LOCAL_WHEELS}: expected one wheel of {package}, found {[w.name for w in found]}")
+        wheels[package] = found[0]
+    return wheels
 
 
 def _use_shared_torch(session: nox.Session, constraints: Path) -> None:
@@ -246,7 +287,10 @@ def _test_editable(session: nox.Session, packages: list[str], also: dict[str, li
     those of ``also`` ({package: paths under its tests/}), one pytest per package."""
     _ensure_system_packages(session, packages)
     # every package's test extra too (transformers for ds-profiler's GPT-2/BERT, ds-all's monitors)
-    _install(session, *TEST_DEPS, *(a for p in PACKAGES for a in ("-e", f"packages/{p}{_test_extra(p)}")))
+    # the build backend in this virtualenv, so that the 14 editable installs need no isolated build environment each
+    _install(session, *BUILD_DEPS)
+    _install(session, "--no-build-isolation", *TEST_DEPS,
+             *(a for p in PACKAGES for a in ("-e", f"packages/{p}{_test_extra(p)}")))
     failed = []
     runs = [(package, [f"packages/{package}/tests"]) for package in packages]
     runs += [(package, [f"packages/{package}/tests/{path}" for path in paths]) for package, paths in (also or {}).items()]
@@ -279,10 +323,11 @@ def tests_rest(session: nox.Session) -> None:
 def _standalone(package: str):
     def session_func(session: nox.Session) -> None:
         _ensure_system_packages(session, [package])
-        # Its ds dependencies come from their directories, as an index would serve them to a user
-        # who runs `pip install <package>`; nothing else of the repository is installed.
-        _install(session, *TEST_DEPS, *(f"packages/{dep}" for dep in _our_dependencies(package)),
-                 f"packages/{package}{_test_extra(package)}")
+        # It and its ds dependencies as wheels built from their directories, as an index would serve them to a
+        # user who runs `pip install <package>`; nothing else of the repository is installed.
+        wheels = _local_wheels(session)
+        _install(session, *TEST_DEPS, *(str(wheels[dep]) for dep in _our_dependencies(package)),
+                 f"{wheels[package]}{_test_extra(package)}")
         # From the package folder, so pytest reads its pyproject; the sources live under src/,
         # which is not on sys.path, so the tests can only import the installed package.
         session.chdir(ROOT / "packages" / package)
@@ -415,7 +460,8 @@ def demo(session: nox.Session) -> None:
     profile, the comms logger's summary)."""
     # Every package, not editable, as `pip install ds-all[monitors]` would bring them (ds-all needs them
     # all; the JSON turns TensorBoard on).
-    _install(session, TORCH, *(f"packages/{p}" for p in PACKAGES if p != "ds-all"), "packages/ds-all[monitors]")
+    wheels = _local_wheels(session)
+    _install(session, TORCH, *(str(wheels[p]) for p in PACKAGES if p != "ds-all"), f"{wheels['ds-all']}[monitors]")
     session.run("ds-launch", "--num_procs", "2", "packages/ds-all/examples/train_gpt.py", *session.posargs)
 
 
