@@ -42,6 +42,7 @@ from ._checkpoint import Checkpointer, ScheduleState
 from ._data_efficiency import DataEfficiency
 from ._device import engine_device, place_model
 from ._engine_api import EngineAPI
+from ._engine_facade import PartsFacade
 from ._optimizers import ONE_BIT, build_optimizer
 from ._progress import ProgressBar
 from ._scheduler_config import build_scheduler
@@ -73,7 +74,7 @@ def _python_gc_enable() -> None:
         gc.enable()
 
 
-class DeepSpeedEngine(EngineAPI, nn.Module):
+class DeepSpeedEngine(PartsFacade, EngineAPI, nn.Module):
     """What `ds_all.initialize` returns first: the model (``engine.module``) with its ZeRO optimizer,
     schedule, data loader, timers, monitors and profiler. Built by `initialize`; see its docstring. The
     rest of DeepSpeed's engine API (getters, batch-size controls, offload_states, ...) is `EngineAPI`'s."""
@@ -188,62 +189,6 @@ class DeepSpeedEngine(EngineAPI, nn.Module):
         return {"": self.train_state, "lr_scheduler": self.schedule, "data_loader": self.loader_position,
                 "data_efficiency": self.data_efficiency,
                 "moe": _moe.MoELayout(self.module, log=self.global_rank == 0)}
-
-    @property
-    def global_steps(self) -> int:
-        return self.train_state.global_steps
-
-    @global_steps.setter
-    def global_steps(self, value: int) -> None:
-        self.train_state.global_steps = value
-
-    @property
-    def global_samples(self) -> int:
-        return self.train_state.global_samples
-
-    @global_samples.setter
-    def global_samples(self, value: int) -> None:
-        self.train_state.global_samples = value
-
-    @property
-    def micro_steps(self) -> int:
-        return self.train_state.micro_steps
-
-    @micro_steps.setter
-    def micro_steps(self, value: int) -> None:
-        self.train_state.micro_steps = value
-
-    @property
-    def progressive_layer_drop(self) -> Any:
-        """`ds_data.ProgressiveLayerDrop` of ``progressive_layer_drop``, or None when it is off."""
-        return self.data_efficiency.progressive_layer_drop
-
-    @property
-    def curriculum_scheduler_legacy(self) -> Any:
-        """`ds_data.CurriculumScheduler` of the top-level ``curriculum_learning``, or None when it is off."""
-        return self.data_efficiency.curriculum_scheduler_legacy
-
-    @property
-    def random_ltd_scheduler(self) -> Any:
-        """`ds_data.RandomLTDScheduler` of ``data_efficiency.data_routing.random_ltd``, or None when it is off."""
-        return self.data_efficiency.random_ltd.scheduler
-
-    @property
-    def lr_scheduler(self) -> Any:
-        return self.schedule.scheduler
-
-    @lr_scheduler.setter
-    def lr_scheduler(self, scheduler: Any) -> None:
-        self.schedule.scheduler = scheduler
-
-    @property
-    def training_dataloader(self) -> Any:
-        """The loader of ``initialize(training_data=...)`` (None without one); its position is checkpointed."""
-        return self.loader_position.loader
-
-    @training_dataloader.setter
-    def training_dataloader(self, loader: Any) -> None:
-        self.loader_position.loader = self.data_efficiency.data_sampler.loader = loader
 
     # ------------------------------------------------------------------------------ construction
     def _training_loader(self, training_data: Any, collate_fn: Callable | None):
