@@ -302,3 +302,20 @@ def test_a_group_made_again_on_the_same_port_pairs_its_own_ranks(rank_zero_late)
     cycles = 3 if rank_zero_late else 6
     assert spawn(remade_groups_pair_with_each_other, world_size=2, args=(cycles, rank_zero_late),
                  timeout=60) == [cycles, cycles]
+
+
+def _launcher_variables(rank: int, world_size: int) -> dict:
+    import os
+
+    return {k: os.environ[k] for k in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE")} | {
+        "nodes": ds_comm.node_topology().num_nodes}
+
+
+def test_spawn_plays_several_nodes_with_the_launchers_variables():
+    got = spawn(_launcher_variables, 4, ranks_per_node=2)
+    assert [(g["LOCAL_RANK"], g["CROSS_RANK"]) for g in got] == [("0", "0"), ("1", "0"), ("0", "1"), ("1", "1")]
+    assert {(g["LOCAL_WORLD_SIZE"], g["LOCAL_SIZE"], g["CROSS_SIZE"], g["nodes"]) for g in got} == {("2", "2", "2", 2)}
+    one = spawn(_launcher_variables, 2)  # the default: one node of every rank
+    assert [(g["LOCAL_RANK"], g["LOCAL_WORLD_SIZE"], g["nodes"]) for g in one] == [("0", "2", 1), ("1", "2", 1)]
+    with pytest.raises(ValueError, match=r"ranks_per_node must be a whole number >= 1 dividing world_size 4, got 3"):
+        spawn(_launcher_variables, 4, ranks_per_node=3)

@@ -126,15 +126,18 @@ def _shut_down_as_an_interpreter_does() -> None:
 
 def _rank_main(rank: int, world_size: int, port: int, ref: _FunctionRef, args: tuple, kwargs: dict,
                results, backend: str, environ: dict[str, str], env: dict[str, str], stdio: tuple[int, int],
-               teardown: bool) -> None:
+               teardown: bool, ranks_per_node: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os.dup2(stdio[0], 1)
     os.dup2(stdio[1], 2)
     os.environ.clear()  # the caller's environment as it is now (the fork server kept the one it started with)
     os.environ.update(environ)
+    # as ds-launch sets them for ranks_per_node ranks on each of world_size / ranks_per_node nodes
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-                       "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size),
+                       "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank % ranks_per_node),
+                       "LOCAL_WORLD_SIZE": str(ranks_per_node), "LOCAL_SIZE": str(ranks_per_node),
+                       "CROSS_RANK": str(rank // ranks_per_node), "CROSS_SIZE": str(world_size // ranks_per_node),
                        **env})
     # one intra-op thread a rank unless the caller says otherwise, as torchrun does: ranks with a thread
     # per core each oversubscribe the cores 2-3x slower here (2 ranks x 2 threads on 2 cores)
@@ -171,19 +174,26 @@ def _rank_main(rank: int, world_size: int, port: int, ref: _FunctionRef, args: t
 
 def spawn(fn: Callable, world_size: int = 2, args: tuple = (), kwargs: dict | None = None, *,
           timeout: float = 120.0, backend: str = "gloo", env: dict[str, str] | None = None,
-          teardown: bool = True) -> list[Any]:
+          teardown: bool = True, ranks_per_node: int | None = None) -> list[Any]:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` ranks; return their results
     in rank order. Raises `RankFailed` (first failing rank, with traceback) or `RankTimeout`.
-    ``teardown=False`` skips the closing barrier and destroy (for tests that break the group)."""
+    ``teardown=False`` skips the closing barrier and destroy (for tests that break the group).
+    ``ranks_per_node``: the ranks play ``world_size / ranks_per_node`` nodes, each rank with the
+    launcher's variables of its node (LOCAL_RANK, LOCAL_WORLD_SIZE/LOCAL_SIZE, CROSS_RANK/CROSS_SIZE);
+    default: one node of every rank."""
     if world_size < 1:
         raise ValueError(f"spawn: world_size must be >= 1, got {world_size}")
+    ranks_per_node = world_size if ranks_per_node is None else ranks_per_node
+    if not isinstance(ranks_per_node, int) or ranks_per_node < 1 or world_size % ranks_per_node:
+        raise ValueError(f"spawn: ranks_per_node must be a whole number >= 1 dividing world_size {world_size}, "
+                         f"got {ranks_per_node!r}")
     ref = _FunctionRef.of(fn)
     context = _context()
     results = context.Queue()
     port = free_port()
     ranks = [context.Process(target=_rank_main, args=(r, world_size, port, ref, tuple(args), dict(kwargs or {}),
                                                      results, backend, dict(os.environ), dict(env or {}),
-                                                     _CallerStdio(), teardown), daemon=True)
+                                                     _CallerStdio(), teardown, ranks_per_node), daemon=True)
              for r in range(world_size)]
     for process in ranks:
         process.start()
