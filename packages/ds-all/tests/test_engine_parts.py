@@ -21,8 +21,6 @@ ROOTS = {"__init__.py", "_engine.py", "_engine_api.py", "_engine_getters.py", "_
          "runtime/engine.py", "runtime/pipe/engine.py"}
 # modules whose functions still take the whole engine (to become parts, then leave this list):
 NOT_YET_PARTS = {
-    "_moe.py",  # configure(engine), forward_breakdown(engine): the expert groups and layers as engine attributes
-    "_parallel.py",  # configure_engine(engine) and the tensor-parallel state dicts: the sequence-parallel groups
     "_autotuning.py",  # EngineProfiler.attach(engine): reads the engine's counters, batch and timers
 }
 

@@ -85,7 +85,6 @@ class DeepSpeedEngine(PartsFacade, EngineAPI, nn.Module):
         super().__init__()
         self.module = model
         self.config = config
-        self.mpu = mpu
         self._owns_process_group = owns_process_group
         self.world_size, self.global_rank = ds_comm.get_world_size(), ds_comm.get_rank()
         self.local_rank = ds_comm.get_local_rank()
@@ -95,12 +94,8 @@ class DeepSpeedEngine(PartsFacade, EngineAPI, nn.Module):
                 f"checkpoint.use_node_local_storage on {self.world_size // max(local_world, 1)} nodes is not "
                 "implemented in ds-all: a checkpoint's shards and its metadata are written to one shared directory "
                 "(on one node, where every rank shares the storage, the key is honoured as it is)")
-        self._dp_group = mpu.get_data_parallel_group() if mpu is not None else None  # None: every rank
-        # DeepSpeed's attribute is a process group a script asks .rank()/.size() of (the variable-batch example):
-        # without an mpu, the world's, as DeepSpeed's groups._get_data_parallel_group() answers
-        self.data_parallel_group = self._dp_group if self._dp_group is not None else torch.distributed.group.WORLD
-        self.dp_world_size = ds_comm.get_world_size(self._dp_group)
-        self.mp_world_size = mpu.get_model_parallel_world_size() if mpu is not None else 1
+        # the process groups: mpu, data_parallel_group, dp_world_size, mp_world_size, the sequence-parallel ones
+        self.parallel_groups = _parallel.ParallelGroups(mpu, config, model, global_rank=self.global_rank)
         # DeepSpeed's _set_distributed_vars and _configure_distributed_model: cuda:LOCAL_RANK with a GPU (the
         # current device), the model moved there before ZeRO takes it; the CPU otherwise
         self.device = engine_device(self.local_rank)
@@ -121,10 +116,12 @@ class DeepSpeedEngine(PartsFacade, EngineAPI, nn.Module):
             raise ValueError(f"initialize: optimizer.type {one_bit} runs with zero_optimization.stage 0 only (as "
                              f"DeepSpeed's 1-bit optimizers), got stage {config.zero_optimization.stage}: its 1-bit "
                              "messages replace the data-parallel all-reduce that stages 1-3 partition")
-        _moe.configure(self)  # MoE layers: has_moe_layers, num_experts, ..., the expert groups
+        # MoE layers: has_moe_layers, num_experts, ..., the expert groups
+        self.moe_wiring = _moe.MoEWiring(model, config, dp_world_size=self.dp_world_size, world_size=self.world_size)
         # sequence parallelism: ZeRO over data × sequence ranks; model parallelism: the norm over its ranks
-        parallel = _parallel.configure_engine(self)
-        zero_group = parallel.pop("group", self._dp_group)
+        parallel = self.parallel_groups.zero_options()
+        self.parallel_groups.prepare(self.device)  # AutoTP: the replicas made equal, the first batch checked
+        zero_group = parallel.pop("group", self.parallel_groups.dp_group)
         reduce_in = parallel.pop("communication_data_type", config.communication_data_type)
         factory, groups = self._optimizer_factory(optimizer, model_parameters)
         options = {**parallel, **self._zero_options()}
@@ -519,7 +516,7 @@ class DeepSpeedEngine(PartsFacade, EngineAPI, nn.Module):
                            "gather them on rank 0 when saving)")
             return False
         partitioned = self.zero if self.zero is not None else self._zero_inference
-        sliced = _parallel.consolidated_state_dict(self)  # tensor parallelism: AutoTP's slices gathered
+        sliced = self.parallel_groups.consolidated_state_dict()  # tensor parallelism: AutoTP's slices gathered
         if sliced is not None:
             state = sliced
         elif partitioned is not None:
@@ -564,8 +561,7 @@ class DeepSpeedEngine(PartsFacade, EngineAPI, nn.Module):
             _moe.forget_expert_groups()  # they went with it; a later initialize makes its own
             # dead handles; held, they would keep the group's store serving on MASTER_PORT and its gloo
             # threads running for as long as the caller names this engine (into the next initialize)
-            self.data_parallel_group = self.seq_data_parallel_group = self.seq_parallel_group = None
-            self._dp_group = self.mpu = None
+            self.parallel_groups.release()
         self._owns_process_group = False
         if self._gc_disabled:
             _python_gc_enable()

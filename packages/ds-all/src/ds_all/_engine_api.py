@@ -54,10 +54,7 @@ class EngineAPI(EngineGetters):
         self.gradient_average = True  # gradients are averaged over the data-parallel ranks
         self.enable_backward_allreduce = True  # ZeRO reduces in backward (there is no other way in ds)
         self.inside_no_sync_ctxt = False
-        self.has_moe_layers, self.num_experts, self.moe_layers, self.gate_modules = False, [], [], []
         self.pipeline_parallelism = False
-        self.sequence_parallel_size, self.seq_dp_world_size = 1, self.dp_world_size  # `_parallel` sets them
-        self.seq_parallel_group, self.seq_data_parallel_group = None, self.data_parallel_group
         self.dist_backend = torch.distributed.get_backend() if ds_comm.is_initialized() else None
         self._boundary_override: bool | None = None  # set_gradient_accumulation_boundary's (no_sync restores it)
         self.warn_unscaled_loss = True
@@ -201,9 +198,7 @@ class EngineAPI(EngineGetters):
         if self.config.zero_optimization.stage == 3:
             return self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters)
         if self.autotp_size() > 1:
-            from . import _parallel
-
-            return _parallel.tp_consolidated_16bit_state_dict(self)
+            return self.parallel_groups.tp_consolidated_16bit_state_dict()
         raise ValueError("_consolidated_16bit_state_dict is for partitioned weights (ZeRO stage 3 or tensor "
                          f"parallelism), this engine runs stage {self.config.zero_optimization.stage} without AutoTP")
 

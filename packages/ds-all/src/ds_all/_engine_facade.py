@@ -3,8 +3,8 @@
 DeepSpeed's scripts read and assign ``engine.global_steps``, ``engine.lr_scheduler``, ``engine.training_dataloader``
 and the like; in ds the counters are `TrainState`'s and each feature's objects its part's, so these names forward
 to the part that owns the value (the engine, `DeepSpeedEngine`, builds the parts: ``train_state``,
-``data_efficiency``, ``schedule``, ``loader_position``). Kept apart from the composition root so that it stays
-a composition.
+``data_efficiency``, ``schedule``, ``loader_position``, ``parallel_groups``, ``moe_wiring``). Kept apart from the
+composition root so that it stays a composition.
 """
 
 from __future__ import annotations
@@ -15,7 +15,18 @@ if TYPE_CHECKING:
     from ._checkpoint import ScheduleState
     from ._data import LoaderPosition
     from ._data_efficiency import DataEfficiency
+    from ._moe import MoEWiring
+    from ._parallel import ParallelGroups
     from ._train_state import TrainState
+
+
+def _forwarded(part: str, name: str, doc: str) -> property:
+    """A read-only property: the engine's ``name`` is its part ``part``'s ``name``."""
+    def get(self: Any) -> Any:
+        return getattr(getattr(self, part), name)
+
+    get.__name__ = name
+    return property(get, doc=doc)
 
 
 class PartsFacade:
@@ -25,6 +36,34 @@ class PartsFacade:
     data_efficiency: DataEfficiency
     schedule: ScheduleState
     loader_position: LoaderPosition
+    parallel_groups: ParallelGroups
+    moe_wiring: MoEWiring
+
+    # the process groups (`_parallel.ParallelGroups`)
+    mpu = _forwarded("parallel_groups", "mpu", "The model-parallel unit of `initialize` (None without one).")
+    data_parallel_group = _forwarded("parallel_groups", "data_parallel_group",
+                                     "The data-parallel process group (the world's without an mpu).")
+    dp_world_size = _forwarded("parallel_groups", "dp_world_size", "The data-parallel world size.")
+    mp_world_size = _forwarded("parallel_groups", "mp_world_size", "The model-parallel world size (1 without an mpu).")
+    sequence_parallel_size = _forwarded("parallel_groups", "sequence_parallel_size",
+                                        "The sequence-parallel (Ulysses) size (1: none).")
+    seq_parallel_group = _forwarded("parallel_groups", "seq_parallel_group",
+                                    "The sequence-parallel group (None without sequence parallelism).")
+    seq_data_parallel_group = _forwarded("parallel_groups", "seq_data_parallel_group",
+                                         "The data × sequence group ZeRO partitions over (the data-parallel group "
+                                         "without sequence parallelism).")
+    seq_dp_world_size = _forwarded("parallel_groups", "seq_dp_world_size", "The size of `seq_data_parallel_group`.")
+    checkpoint_mp_rank = _forwarded("parallel_groups", "checkpoint_mp_rank",
+                                    "The model-parallel rank this rank's checkpoint files are named by.")
+    # the MoE layers and their expert groups (`_moe.MoEWiring`)
+    has_moe_layers = _forwarded("moe_wiring", "has_moe_layers", "Whether the model holds ds_moe.MoE layers.")
+    num_experts = _forwarded("moe_wiring", "num_experts", "Each MoE layer's number of experts.")
+    moe_layers = _forwarded("moe_wiring", "moe_layers", "The model's MOELayers.")
+    gate_modules = _forwarded("moe_wiring", "gate_modules", "The model's TopKGates.")
+    expert_parallel_group = _forwarded("moe_wiring", "expert_parallel_group",
+                                       "{expert group name: this rank's expert-parallel group}.")
+    expert_data_parallel_group = _forwarded("moe_wiring", "expert_data_parallel_group",
+                                            "{expert group name: this rank's expert-data-parallel group}.")
 
     @property
     def global_steps(self) -> int:

@@ -15,8 +15,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import _moe
-
 logger = logging.getLogger("ds_all")
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -284,7 +282,7 @@ class EngineGetters:
         """The forward's time with its MoE parts, logged on rank 0: the last forward's milliseconds in the
         MoE layers, their first and second all-to-all and their gates, summed over the layers (recorded
         with ``wall_clock_breakdown``; 0 without it or without MoE layers), as DeepSpeed's."""
-        moe, first, second, gate = _moe.forward_breakdown(self)
+        moe, first, second, gate = self.moe_wiring.forward_breakdown()
         if self.global_rank == 0:
             logger.info("time (ms) | fwd: %.2f (fwd_moe: %.2f, 1st_a2a: %.2f, 2nd_a2a: %.2f, top_k: %.2f)", fwd_time,
                         moe, first, second, gate)

@@ -1,10 +1,11 @@
 """The engine's Mixture of Experts: DeepSpeed's MoE parts of ``_configure_distributed_model`` and of the
 optimizer's configuration, over ds-moe's layers and ds-zero's per-group ``process_group``.
 
-At `initialize`, a model holding `ds_moe.MoE` layers sets the engine's ``has_moe_layers``, ``num_experts``
-(one entry per layer), ``moe_layers`` (the `MOELayer`\\ s) and ``gate_modules`` (the `TopKGate`\\ s), as
-DeepSpeed's engine does; every module with ``set_deepspeed_parallelism`` is called with the config's
-``use_data_before_expert_parallelism`` (this creates the ``ep_size_<N>`` expert groups, `ds_moe.groups`).
+At `initialize`, the engine builds a `MoEWiring` part: a model holding `ds_moe.MoE` layers gets DeepSpeed's
+engine attributes ``has_moe_layers``, ``num_experts`` (one entry per layer), ``moe_layers`` (the `MOELayer`\\ s)
+and ``gate_modules`` (the `TopKGate`\\ s), which the engine's properties read from the part; every module with
+``set_deepspeed_parallelism`` is called with the config's ``use_data_before_expert_parallelism`` (this creates
+the ``ep_size_<N>`` expert groups, `ds_moe.groups`).
 The optimizer's parameter groups then keep each expert group's parameters apart: a group
 ``{"params": ..., "moe": True, "name": "ep_size_<N>", "process_group": <its expert-data-parallel group>}``,
 so ZeRO reduces an expert's gradients over the ranks holding that expert only (averaged by the
@@ -26,7 +27,6 @@ from torch import nn
 
 import ds_moe
 from ds_moe import groups as moe_groups
-from ds_pipe import PipelineModule
 
 from ._checkpoint import META_FILE
 from ._train_state import Restore
@@ -34,42 +34,61 @@ from ._train_state import Restore
 logger = logging.getLogger("ds_all")
 
 
-def configure(engine: Any) -> None:
-    """Find the model's MoE layers and give them their expert groups (DeepSpeed's order: the layers are
-    found, then every ``set_deepspeed_parallelism`` is called). Refuses what is not built with MoE."""
-    model: nn.Module = engine.module
-    layers = [m for m in model.modules() if isinstance(m, ds_moe.MoE)]
-    engine.has_moe_layers = bool(layers)
-    engine.num_experts = [layer.num_experts for layer in layers]
-    engine.moe_layers = [m for m in model.modules() if isinstance(m, ds_moe.MOELayer)] if layers else []
-    engine.gate_modules = [m for m in model.modules() if isinstance(m, ds_moe.TopKGate)] if layers else []
-    if layers:
-        _refuse_unbuilt(engine, model)
-        for module in engine.gate_modules + engine.moe_layers:
-            module.wall_clock_breakdown = bool(engine.config.wall_clock_breakdown)
-    data_before_expert = bool(engine.config.use_data_before_expert_parallelism)
-    for module in model.modules():
-        if hasattr(module, "set_deepspeed_parallelism"):
-            module.set_deepspeed_parallelism(data_before_expert)
-    # DeepSpeed's engine attributes: {name: this rank's group}
-    engine.expert_parallel_group = moe_groups._get_expert_parallel_group_dict()
-    engine.expert_data_parallel_group = moe_groups._get_expert_data_parallel_group_dict()
+class MoEWiring:
+    """The model's MoE layers wired to their expert groups, built from the model, the config and the data-parallel
+    sizes: DeepSpeed's engine attributes ``has_moe_layers``, ``num_experts`` (one entry per layer), ``moe_layers``
+    (the `MOELayer`\\ s), ``gate_modules`` (the `TopKGate`\\ s), ``expert_parallel_group`` and
+    ``expert_data_parallel_group`` (``{name: this rank's group}``) are this part's, read through the engine's
+    properties. Building it runs DeepSpeed's order: the layers are found, then every ``set_deepspeed_parallelism``
+    is called (this creates the ``ep_size_<N>`` expert groups). Refuses what is not built with MoE."""
+
+    def __init__(self, module: nn.Module, config: Any, *, dp_world_size: int, world_size: int) -> None:
+        layers = [m for m in module.modules() if isinstance(m, ds_moe.MoE)]
+        self.has_moe_layers = bool(layers)
+        self.num_experts = [layer.num_experts for layer in layers]
+        self.moe_layers = [m for m in module.modules() if isinstance(m, ds_moe.MOELayer)] if layers else []
+        self.gate_modules = [m for m in module.modules() if isinstance(m, ds_moe.TopKGate)] if layers else []
+        if layers:
+            _refuse_unbuilt(config.zero_optimization.stage, dp_world_size, world_size)
+            for layer in self.gate_modules + self.moe_layers:
+                layer.wall_clock_breakdown = bool(config.wall_clock_breakdown)
+        data_before_expert = bool(config.use_data_before_expert_parallelism)
+        for layer in module.modules():
+            if hasattr(layer, "set_deepspeed_parallelism"):
+                layer.set_deepspeed_parallelism(data_before_expert)
+        self.expert_parallel_group = moe_groups._get_expert_parallel_group_dict()
+        self.expert_data_parallel_group = moe_groups._get_expert_data_parallel_group_dict()
+
+    @staticmethod
+    def pipeline_refusal(config: Any, module: nn.Module) -> Exception | None:
+        """Why a `PipelineEngine` cannot train ``module`` with this part (None: it can)."""
+        if not any(isinstance(m, ds_moe.MoE) for m in module.modules()):
+            return None
+        return NotImplementedError("initialize: a PipelineModule with MoE layers (ds_moe.MoE) is not implemented in "
+                                   "ds-all: the expert groups are laid over the whole world, not each pipeline "
+                                   "stage's data-parallel ranks; train MoE with the plain engine (no pipeline)")
+
+    def forward_breakdown(self) -> tuple[float, float, float, float]:
+        """``(fwd_moe, 1st_a2a, 2nd_a2a, top_k)`` milliseconds of the last forward, summed over the MoE layers
+        (recorded with ``wall_clock_breakdown``; 0 otherwise)."""
+        moe = first = second = gate = 0.0
+        for layer in self.moe_layers:
+            moe += layer.time_moe
+            first += layer.time_falltoall
+            second += layer.time_salltoall
+            gate += layer.timings.get("topk_gate", getattr(layer.gate, "gate_time", 0.0))
+        return moe, first, second, gate
 
 
-def _refuse_unbuilt(engine: Any, model: nn.Module) -> None:
-    stage = engine.config.zero_optimization.stage
+def _refuse_unbuilt(stage: int, dp_world_size: int, world_size: int) -> None:
     if stage == 3:
         raise NotImplementedError("initialize: a model with MoE layers (ds_moe.MoE) at zero_optimization.stage 3 is "
                                   "not implemented in ds-all (DeepSpeed refuses native MoE at stage 3 too): ZeRO "
                                   "stage 3 does not partition parameters over the expert-data-parallel groups; use "
                                   "stage 0, 1 or 2")
-    if isinstance(model, PipelineModule):
-        raise NotImplementedError("initialize: a PipelineModule with MoE layers (ds_moe.MoE) is not implemented in "
-                                  "ds-all: the expert groups are laid over the whole world, not each pipeline "
-                                  "stage's data-parallel ranks; train MoE with the plain engine (no pipeline)")
-    if engine.dp_world_size != engine.world_size:
+    if dp_world_size != world_size:
         raise NotImplementedError(f"initialize: MoE layers (ds_moe.MoE) with model parallelism (the mpu's "
-                                  f"data-parallel world size is {engine.dp_world_size} of {engine.world_size} ranks) "
+                                  f"data-parallel world size is {dp_world_size} of {world_size} ranks) "
                                   "is not implemented in ds-all: the expert groups are laid over the whole world; "
                                   "train MoE with data and expert parallelism only")
 
@@ -178,18 +197,6 @@ def checkpoint_names(model: nn.Module, names: dict[str, str] | None) -> dict[str
     """``names`` (the engine's other checkpoint names, if any) with each local expert parameter and buffer
     named by its global expert id (`ds_moe.expert_checkpoint_names`)."""
     return {**(names or {}), **ds_moe.expert_checkpoint_names(model)}
-
-
-def forward_breakdown(engine: Any) -> tuple[float, float, float, float]:
-    """``(fwd_moe, 1st_a2a, 2nd_a2a, top_k)`` milliseconds of the last forward, summed over the MoE layers
-    (recorded with ``wall_clock_breakdown``; 0 otherwise)."""
-    moe = first = second = gate = 0.0
-    for layer in engine.moe_layers:
-        moe += layer.time_moe
-        first += layer.time_falltoall
-        second += layer.time_salltoall
-        gate += layer.timings.get("topk_gate", getattr(layer.gate, "gate_time", 0.0))
-    return moe, first, second, gate
 
 
 def forget_expert_groups() -> None:

@@ -225,84 +225,108 @@ def apply_autotp(model: nn.Module, config: Config, mpu: Any) -> None:
     ds_parallel.tp_model_init(model, tp, dtype, tp_group=_tp_group(mpu))
 
 
-def configure_engine(engine: Any) -> dict[str, Any]:
-    """Set the engine's sequence-parallel attributes (DeepSpeed's ``sequence_parallel_size``,
-    ``seq_parallel_group``, ``seq_data_parallel_group``, ``seq_dp_world_size``, and ``checkpoint_mp_rank``),
-    arm AutoTP's first-batch check (`check_tensor_parallel_inputs`) and return how ZeRO
-    partitions, reduces and counts the norm: ``group``, ``gradient_averaging_size``,
-    ``communication_data_type`` (``seq_parallel_communication_data_type``), and with model
-    parallelism ``model_parallel_group`` and ``tensor_parallel_rank``."""
-    mpu = engine.mpu
-    sp = sequence_parallel_size(mpu)
-    engine.sequence_parallel_size = sp
-    # DeepSpeed's: the model-parallel rank this rank's checkpoint files are named by (0 without model parallelism)
-    engine.checkpoint_mp_rank = mpu.get_model_parallel_rank() if mpu is not None and engine.mp_world_size > 1 else 0
-    engine.seq_parallel_group = mpu.get_sequence_parallel_group() if sp > 1 else None
-    if sp > 1:
-        engine.seq_data_parallel_group = mpu.get_sequence_data_parallel_group()
-        engine.seq_dp_world_size = ds_comm.get_world_size(engine.seq_data_parallel_group)
-    else:
-        engine.seq_data_parallel_group = engine.data_parallel_group
-        engine.seq_dp_world_size = engine.dp_world_size
-    options: dict[str, Any] = {}
-    if sp > 1:
-        options["group"] = engine.seq_data_parallel_group
-        options["gradient_averaging_size"] = engine.dp_world_size
-        options["communication_data_type"] = engine.config.seq_parallel_communication_data_type  # DeepSpeed's
-    from ds_pipe import PipelineModule
+class ParallelGroups:
+    """The run's process groups, built from the mpu (None: data parallelism over every rank), the config and the
+    module; DeepSpeed's engine attributes ``mpu``, ``data_parallel_group``, ``dp_world_size``, ``mp_world_size``,
+    ``sequence_parallel_size``, ``seq_parallel_group``, ``seq_data_parallel_group``, ``seq_dp_world_size`` and
+    ``checkpoint_mp_rank`` are this part's, read through the engine's properties. `zero_options` says how ZeRO
+    partitions, reduces and counts the norm; `prepare` readies the module for AutoTP (the replicas made equal, the
+    first batch checked); the tensor-parallel state dicts gather AutoTP's slices."""
 
-    # a pipeline's norm spans its stages: PipelineEngine._zero_options names the group
-    if mpu is not None and engine.mp_world_size > 1 and not isinstance(engine.module, PipelineModule):
-        group = mpu.get_model_parallel_group()
-        if group is not None:
-            options["model_parallel_group"] = group
-            options["tensor_parallel_rank"] = tensor_parallel_rank(mpu)
-    synchronize_replicas(engine)  # what AutoTP left whole is the same on every tensor-parallel rank
-    check_tensor_parallel_inputs(engine)  # the first batch must agree across each tensor-parallel group
-    if engine.global_rank == 0 and (sp > 1 or engine.mp_world_size > 1):
-        logger.info("parallel groups: data %d, model %d, sequence %d, sequence × data %d", engine.dp_world_size,
-                    engine.mp_world_size, sp, engine.seq_dp_world_size)
-    return options
+    def __init__(self, mpu: Any, config: Config, module: nn.Module, *, global_rank: int) -> None:
+        self.config, self.module, self.global_rank = config, module, global_rank
+        self.mpu = mpu
+        self.dp_group = mpu.get_data_parallel_group() if mpu is not None else None  # None: every rank
+        # DeepSpeed's attribute is a process group a script asks .rank()/.size() of (the variable-batch example):
+        # without an mpu, the world's, as DeepSpeed's groups._get_data_parallel_group() answers
+        self.data_parallel_group = self.dp_group if self.dp_group is not None else torch.distributed.group.WORLD
+        self.dp_world_size = ds_comm.get_world_size(self.dp_group)
+        self.mp_world_size = mpu.get_model_parallel_world_size() if mpu is not None else 1
+        sp = sequence_parallel_size(mpu)
+        self.sequence_parallel_size = sp
+        # DeepSpeed's: the model-parallel rank this rank's checkpoint files are named by (0 without model parallelism)
+        self.checkpoint_mp_rank = mpu.get_model_parallel_rank() if mpu is not None and self.mp_world_size > 1 else 0
+        self.seq_parallel_group = mpu.get_sequence_parallel_group() if sp > 1 else None
+        if sp > 1:
+            self.seq_data_parallel_group = mpu.get_sequence_data_parallel_group()
+            self.seq_dp_world_size = ds_comm.get_world_size(self.seq_data_parallel_group)
+        else:
+            self.seq_data_parallel_group = self.data_parallel_group
+            self.seq_dp_world_size = self.dp_world_size
 
+    def zero_options(self) -> dict[str, Any]:
+        """How ZeRO partitions, reduces and counts the norm: ``group``, ``gradient_averaging_size``,
+        ``communication_data_type`` (``seq_parallel_communication_data_type``) with sequence parallelism, and with
+        model parallelism ``model_parallel_group`` and ``tensor_parallel_rank``."""
+        options: dict[str, Any] = {}
+        if self.sequence_parallel_size > 1:
+            options["group"] = self.seq_data_parallel_group
+            options["gradient_averaging_size"] = self.dp_world_size
+            options["communication_data_type"] = self.config.seq_parallel_communication_data_type  # DeepSpeed's
+        from ds_pipe import PipelineModule
 
-def _whole_state(engine: Any) -> dict | None:
-    """The module's weights whole on global rank 0 (None elsewhere): the slices of ds-parallel's AutoTP layers
-    (`LinearLayer`, `LinearAllreduce`, however the model got them) gathered over their groups. A collective."""
-    import ds_parallel
+        # a pipeline's norm spans its stages: PipelineEngine._zero_options names the group
+        mpu = self.mpu
+        if mpu is not None and self.mp_world_size > 1 and not isinstance(self.module, PipelineModule):
+            group = mpu.get_model_parallel_group()
+            if group is not None:
+                options["model_parallel_group"] = group
+                options["tensor_parallel_rank"] = tensor_parallel_rank(mpu)
+        return options
 
-    model = engine.module
-    autotp = (ds_parallel.LinearLayer, ds_parallel.LinearAllreduce)
-    in_layers = {id(p) for m in model.modules() if isinstance(m, autotp) for p in m.parameters(recurse=False)}
-    other = [n for n, p in model.named_parameters() if getattr(p, "tensor_model_parallel", False)
-             and id(p) not in in_layers]
-    if other:
-        raise NotImplementedError(f"the whole weights of a model built from Megatron-style tensor-parallel layers "
-                                  f"({', '.join(other[:3])}...) are not implemented in ds-all: their slices are not "
-                                  "gathered; use save_checkpoint, or AutoTP's layers")
-    if engine.config.zero_optimization.stage == 3:
-        raise NotImplementedError("the whole weights of an AutoTP model at zero_optimization.stage 3 are not "
-                                  "implemented in ds-all; use stage 0, 1 or 2")
-    return ds_parallel.replace_module_consolidated_state_dict(model, rank0_only=True)
+    def prepare(self, device: torch.device) -> None:
+        """Under AutoTP: what it left whole made the same on every tensor-parallel rank (`synchronize_replicas`)
+        and the first batch checked across each tensor-parallel group (`check_tensor_parallel_inputs`); the
+        groups logged on global rank 0."""
+        autotp_size = self.config.tensor_parallel.autotp_size
+        synchronize_replicas(self.module, self.mpu, autotp_size)
+        check_tensor_parallel_inputs(self.module, self.mpu, autotp_size, device)
+        if self.global_rank == 0 and (self.sequence_parallel_size > 1 or self.mp_world_size > 1):
+            logger.info("parallel groups: data %d, model %d, sequence %d, sequence × data %d", self.dp_world_size,
+                        self.mp_world_size, self.sequence_parallel_size, self.seq_dp_world_size)
 
+    def release(self) -> None:
+        """After the engine destroyed the process group it created: drop the dead handles (held, they would keep
+        the group's store serving on MASTER_PORT and its gloo threads running)."""
+        self.data_parallel_group = self.seq_data_parallel_group = self.seq_parallel_group = None
+        self.dp_group = self.mpu = None
 
-def consolidated_state_dict(engine: Any) -> dict | None:
-    """``save_16bit_model``'s weights of a tensor-parallel model, whole (DeepSpeed's
-    ``_replace_module_consolidated_state_dict``: AutoTP's slices gathered over their groups, on rank 0; {}
-    elsewhere); None when the model holds no tensor-parallel slices (ZeRO's gather is the answer then)."""
-    if engine.mp_world_size == 1 or not _sliced(engine.module):
-        return None
-    state = _whole_state(engine)
-    return dict(state) if state is not None else {}
+    def _whole_state(self) -> dict | None:
+        """The module's weights whole on global rank 0 (None elsewhere): the slices of ds-parallel's AutoTP layers
+        (`LinearLayer`, `LinearAllreduce`, however the model got them) gathered over their groups. A collective."""
+        import ds_parallel
 
+        model = self.module
+        autotp = (ds_parallel.LinearLayer, ds_parallel.LinearAllreduce)
+        in_layers = {id(p) for m in model.modules() if isinstance(m, autotp) for p in m.parameters(recurse=False)}
+        other = [n for n, p in model.named_parameters() if getattr(p, "tensor_model_parallel", False)
+                 and id(p) not in in_layers]
+        if other:
+            raise NotImplementedError(f"the whole weights of a model built from Megatron-style tensor-parallel layers "
+                                      f"({', '.join(other[:3])}...) are not implemented in ds-all: their slices are "
+                                      "not gathered; use save_checkpoint, or AutoTP's layers")
+        if self.config.zero_optimization.stage == 3:
+            raise NotImplementedError("the whole weights of an AutoTP model at zero_optimization.stage 3 are not "
+                                      "implemented in ds-all; use stage 0, 1 or 2")
+        return ds_parallel.replace_module_consolidated_state_dict(model, rank0_only=True)
 
-def tp_consolidated_16bit_state_dict(engine: Any) -> dict | None:
-    """DeepSpeed's ``_consolidated_16bit_state_dict`` under AutoTP (``autotp_size`` > 1, stages 0-2): the
-    module's state dict with every AutoTP slice gathered, CPU copies, on global rank 0; None elsewhere. Every
-    rank calls it."""
-    if engine.mp_world_size == 1 or not _sliced(engine.module):
-        state = OrderedDict((k, v.detach().to("cpu", copy=True)) for k, v in engine.module.state_dict().items())
-        return state if engine.global_rank == 0 else None
-    return _whole_state(engine)
+    def consolidated_state_dict(self) -> dict | None:
+        """``save_16bit_model``'s weights of a tensor-parallel model, whole (DeepSpeed's
+        ``_replace_module_consolidated_state_dict``: AutoTP's slices gathered over their groups, on rank 0; {}
+        elsewhere); None when the model holds no tensor-parallel slices (ZeRO's gather is the answer then)."""
+        if self.mp_world_size == 1 or not _sliced(self.module):
+            return None
+        state = self._whole_state()
+        return dict(state) if state is not None else {}
+
+    def tp_consolidated_16bit_state_dict(self) -> dict | None:
+        """DeepSpeed's ``_consolidated_16bit_state_dict`` under AutoTP (``autotp_size`` > 1, stages 0-2): the
+        module's state dict with every AutoTP slice gathered, CPU copies, on global rank 0; None elsewhere. Every
+        rank calls it."""
+        if self.mp_world_size == 1 or not _sliced(self.module):
+            state = OrderedDict((k, v.detach().to("cpu", copy=True)) for k, v in self.module.state_dict().items())
+            return state if self.global_rank == 0 else None
+        return self._whole_state()
 
 
 class TensorParallelInputMismatch(ValueError, AssertionError):
@@ -354,24 +378,25 @@ class TensorParallelInputCheck:
         self.handle.remove()
 
 
-def synchronize_replicas(engine: Any) -> None:
+def synchronize_replicas(module: nn.Module, mpu: Any, autotp_size: int) -> None:
     """Under AutoTP over more than one rank, every parameter not sliced (no ``tensor_model_parallel`` mark: norms,
     embeddings, row-parallel biases, linears left whole) is made the same on each tensor-parallel group's ranks,
     broadcast from its first rank. AutoTP computes as one model only when they are (a row-parallel layer sums
     partial products of the same input), and a checkpoint keeps one copy of them; DeepSpeed leaves them as each
     rank built them."""
-    if engine.autotp_size() <= 1 or engine.mpu is None or tensor_parallel_size(engine.mpu) <= 1:
+    if autotp_size <= 1 or mpu is None or tensor_parallel_size(mpu) <= 1:
         return
-    group = _tp_group(engine.mpu)
+    group = _tp_group(mpu)
     src = ds_comm.get_global_rank(group, 0)
     with torch.no_grad():
-        for param in engine.module.parameters():
+        for param in module.parameters():
             if not getattr(param, "tensor_model_parallel", False):
                 ds_comm.broadcast(param.data, src=src, group=group)
 
 
-def check_tensor_parallel_inputs(engine: Any) -> TensorParallelInputCheck | None:
-    """Under AutoTP over more than one rank, the `TensorParallelInputCheck` of the engine's module."""
-    if engine.autotp_size() <= 1 or engine.mpu is None or tensor_parallel_size(engine.mpu) <= 1:
+def check_tensor_parallel_inputs(module: nn.Module, mpu: Any, autotp_size: int,
+                                 device: torch.device) -> TensorParallelInputCheck | None:
+    """Under AutoTP over more than one rank, the `TensorParallelInputCheck` of ``module``."""
+    if autotp_size <= 1 or mpu is None or tensor_parallel_size(mpu) <= 1:
         return None
-    return TensorParallelInputCheck(engine.module, _tp_group(engine.mpu), engine.device)
+    return TensorParallelInputCheck(module, _tp_group(mpu), device)

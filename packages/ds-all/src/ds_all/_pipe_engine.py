@@ -18,6 +18,7 @@ import torch
 from ds_pipe import PipelineExecutor, PipelineModule
 
 from ._engine import DeepSpeedEngine
+from ._moe import MoEWiring
 from ._optimizers import ONE_BIT
 from ._timers import ALLREDUCE, BACKWARD, STEP
 
@@ -77,6 +78,9 @@ class PipelineEngine(DeepSpeedEngine):
             raise NotImplementedError("data_efficiency.data_sampling.curriculum_learning with a PipelineModule is not "
                                       "implemented in ds-all: the pipeline's loader reads its data-parallel share in "
                                       "order; build the loader with ds_data.DataSampler and set_dataloader")
+        refusal = MoEWiring.pipeline_refusal(config, model)
+        if refusal is not None:
+            raise refusal
         self._checkpoint_names = model.checkpoint_names()
         super().__init__(model=model, config=config, **kwargs)
         if self.zero is None:
