@@ -94,3 +94,38 @@ def test_the_modules_taking_the_engine_are_only_those_not_yet_parts():
     takers = engine_takers()
     assert takers <= NOT_YET_PARTS, f"a module takes the whole engine: {sorted(takers - NOT_YET_PARTS)}"
     assert takers >= NOT_YET_PARTS, f"now parts, leave NOT_YET_PARTS: {sorted(NOT_YET_PARTS - takers)}"
+
+
+def _raised_in(path: Path, exception: str) -> list[int]:
+    """The lines of ``path`` that raise ``exception(...)`` themselves."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    return [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call)
+            and isinstance(node.exc.func, ast.Name) and node.exc.func.id == exception]
+
+
+def test_a_pipeline_refuses_features_from_what_the_parts_declare():
+    from torch import nn
+
+    import ds_moe
+    from ds_all import DeepSpeedEngine
+    from ds_all.config import Config
+
+    # PipelineEngine refuses no feature by hand: every NotImplementedError of a feature comes from a part
+    assert _raised_in(SRC / "_pipe_engine.py", "NotImplementedError") == []
+    assert _raised_in(SRC / "_autocast.py", "NotImplementedError") != []  # the checker finds raises
+
+    def refusal(config: dict, module: nn.Module) -> str | None:
+        built = Config.model_validate({"train_micro_batch_size_per_gpu": 1, **config})
+        for part in DeepSpeedEngine.FEATURE_PARTS:
+            found = part.pipeline_refusal(built, module)
+            if found is not None:
+                return f"{type(found).__name__}: {found}"
+        return None
+
+    plain, moe = nn.Linear(4, 4), nn.Sequential(ds_moe.MoE(4, nn.Linear(4, 4), num_experts=2, ep_size=1))
+    assert refusal({}, plain) is None
+    assert refusal({"torch_autocast": {"enabled": True}}, plain).startswith(
+        "NotImplementedError: torch_autocast with a PipelineModule is not implemented in ds-all")
+    assert refusal({"progressive_layer_drop": {"enabled": True}}, plain).startswith(
+        "NotImplementedError: progressive_layer_drop with a PipelineModule is not implemented in ds-all")
+    assert refusal({}, moe).startswith("NotImplementedError: initialize: a PipelineModule with MoE layers")

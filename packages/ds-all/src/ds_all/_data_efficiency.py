@@ -40,6 +40,16 @@ class DataEfficiency:
                                     global_batch_size=config.train_batch_size, module=module)
         self.data_sampler = SamplerPosition()  # its ``loader``: the engine's training loader
 
+    @staticmethod
+    def pipeline_refusal(config: Any, module: nn.Module) -> Exception | None:
+        """Why a `PipelineEngine` cannot train with these sections (None: it can): progressive layer drop, then
+        random-LTD's and the data sampler's own reasons."""
+        if config.progressive_layer_drop.enabled:
+            return NotImplementedError("progressive_layer_drop with a PipelineModule is not implemented in ds-all: the "
+                                       "schedule runs the stages' forwards, so the engine cannot pass pld_theta (nor "
+                                       "does DeepSpeed's PipelineEngine); drop layers in the stages' own code")
+        return RandomLTD.pipeline_refusal(config, module) or SamplerPosition.pipeline_refusal(config, module)
+
     def forward_kwargs(self, kwargs: dict[str, Any], *, global_steps: int) -> dict[str, Any]:
         """The keyword arguments of a training forward with what the enabled sections add."""
         self.random_ltd.before_forward(global_steps)

@@ -133,6 +133,15 @@ class SamplerPosition:
     def __init__(self, loader_: Any = None) -> None:
         self.loader = loader_
 
+    @staticmethod
+    def pipeline_refusal(config: Any, module: Any) -> Exception | None:
+        """Why a `PipelineEngine` cannot train with the data sampler (None: it is off)."""
+        if not enabled(config):
+            return None
+        return NotImplementedError("data_efficiency.data_sampling.curriculum_learning with a PipelineModule is not "
+                                   "implemented in ds-all: the pipeline's loader reads its data-parallel share in "
+                                   "order; build the loader with ds_data.DataSampler and set_dataloader")
+
     def state_dict(self) -> dict[str, Any] | None:
         return self.loader.data_sampler.state_dict() if isinstance(self.loader, SamplingLoader) else None
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import importlib
 import logging
 import os
 import time
@@ -37,6 +36,7 @@ from . import (
     _parallel,
     checkpointing,
 )
+from ._autocast import Autocast
 from ._autotuning import EngineProfiler
 from ._checkpoint import Checkpointer, ScheduleState
 from ._data_efficiency import DataEfficiency
@@ -47,7 +47,7 @@ from ._optimizers import ONE_BIT, build_optimizer
 from ._progress import ProgressBar
 from ._scheduler_config import build_scheduler
 from ._timers import ALLREDUCE, BACKWARD, FORWARD, STEP, Timers
-from ._train_state import Stateful, TrainState
+from ._train_state import RefusesPipeline, Stateful, TrainState
 from .config import Config
 from .monitor import Monitors
 
@@ -168,7 +168,8 @@ class DeepSpeedEngine(PartsFacade, EngineAPI, nn.Module):
                 global_rank=self.global_rank, dp_world_size=self.dp_world_size,
                 zero_stage=config.zero_optimization.stage, mpu=mpu, tag_validation=config.checkpoint.tag_validation,
                 load_universal=config.checkpoint.load_universal)
-        self._autocast = self._autocast_context()
+        self.autocast = Autocast(config.torch_autocast, dtype=self.torch_autocast_dtype(), device_type=self.device.type,
+                                 zero_stage=config.zero_optimization.stage)
         self._gc_disabled = _python_gc_disable() if config.disable_python_gc else False
         self.flops_profiler: FlopsProfiler | None = None
         self._profiling = False
@@ -180,6 +181,10 @@ class DeepSpeedEngine(PartsFacade, EngineAPI, nn.Module):
         self._autotuning = EngineProfiler.attach(self)  # autotuning.enabled: profile, write the metric, exit
 
     # ------------------------------------------------------------------------------ parts
+    # the parts whose features an engine of another kind may refuse: each class's pipeline_refusal(config, module)
+    # says why a PipelineEngine cannot train with the feature (None: it can); `PipelineEngine` raises the first
+    FEATURE_PARTS: tuple[type[RefusesPipeline], ...] = (Autocast, DataEfficiency, _moe.MoEWiring)
+
     def _checkpoint_states(self) -> dict[str, Stateful]:
         """What a checkpoint holds besides ZeRO's shards: metadata key -> part (``""``: the counters, at the top
         level of format 1's ``engine_meta.json``). A new stateful feature is one entry here."""
@@ -191,24 +196,6 @@ class DeepSpeedEngine(PartsFacade, EngineAPI, nn.Module):
     def _training_loader(self, training_data: Any, collate_fn: Callable | None):
         """The loader of ``initialize(training_data=...)``: DeepSpeed's ``deepspeed_io`` (shuffled)."""
         return self.deepspeed_io(training_data, collate_fn=collate_fn)
-
-    def _autocast_context(self) -> Callable[[], Any]:
-        """The forward's context: ``torch.autocast`` with ``torch_autocast``'s dtype when it is enabled."""
-        section = self.config.torch_autocast
-        if not section.enabled:
-            return contextlib.nullcontext
-        for name in section.lower_precision_safe_modules or ():  # named as DeepSpeed checks them: importable
-            package, _, attribute = name.rpartition(".")
-            try:
-                getattr(importlib.import_module(package), attribute)
-            except (ImportError, AttributeError, ValueError) as e:
-                raise ValueError(f"torch_autocast.lower_precision_safe_modules: cannot import {name!r} ({e})") from None
-        dtype = self.torch_autocast_dtype()
-        if dtype == torch.float16 and self.config.zero_optimization.stage == 0:
-            raise NotImplementedError("torch_autocast with dtype fp16 at zero_optimization.stage 0 needs DeepSpeed's "
-                                      "torch GradScaler, not built in ds-all; use bf16, or a ZeRO stage 1-3")
-        device_type = self.device.type
-        return lambda: torch.autocast(device_type=device_type, dtype=dtype, enabled=True)
 
     def _zero_options(self) -> dict[str, Any]:
         """How ZeRO reduces: in its backward hooks, one micro-step per ``backward``/``step`` pair."""
@@ -302,7 +289,7 @@ class DeepSpeedEngine(PartsFacade, EngineAPI, nn.Module):
             self._profiling = True
         self.timers(FORWARD).start()
         try:
-            with self._autocast(), (self._autotuning.forward() if self._autotuning else contextlib.nullcontext()):
+            with self.autocast.context(), (self._autotuning.forward() if self._autotuning else contextlib.nullcontext()):
                 return self.module(*inputs, **kwargs)
         finally:
             self.timers(FORWARD).stop()

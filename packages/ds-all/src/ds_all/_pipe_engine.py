@@ -18,7 +18,6 @@ import torch
 from ds_pipe import PipelineExecutor, PipelineModule
 
 from ._engine import DeepSpeedEngine
-from ._moe import MoEWiring
 from ._optimizers import ONE_BIT
 from ._timers import ALLREDUCE, BACKWARD, STEP
 
@@ -63,24 +62,10 @@ class PipelineEngine(DeepSpeedEngine):
             raise ValueError(f"initialize: pipeline.virtual_stages is {config.pipeline.virtual_stages} but the "
                              f"PipelineModule was built with virtual_stages={model.virtual_stages} (the module's "
                              "split into chunks decides it)")
-        if config.torch_autocast.enabled:
-            raise NotImplementedError("torch_autocast with a PipelineModule is not implemented in ds-all: the "
-                                      "schedule runs the forward; use bf16 or fp16 (the bf16/fp16 sections)")
-        if config.progressive_layer_drop.enabled:
-            raise NotImplementedError("progressive_layer_drop with a PipelineModule is not implemented in ds-all: the "
-                                      "schedule runs the stages' forwards, so the engine cannot pass pld_theta (nor "
-                                      "does DeepSpeed's PipelineEngine); drop layers in the stages' own code")
-        if config.data_efficiency.data_routing.random_ltd.enabled:
-            raise NotImplementedError("data_efficiency.data_routing.random_ltd with a PipelineModule is not "
-                                      "implemented in ds-all: the schedule runs the stages' forwards, which the "
-                                      "engine's random-LTD schedule does not reach")
-        if config.data_efficiency.data_sampling.curriculum_learning.enabled:
-            raise NotImplementedError("data_efficiency.data_sampling.curriculum_learning with a PipelineModule is not "
-                                      "implemented in ds-all: the pipeline's loader reads its data-parallel share in "
-                                      "order; build the loader with ds_data.DataSampler and set_dataloader")
-        refusal = MoEWiring.pipeline_refusal(config, model)
-        if refusal is not None:
-            raise refusal
+        for part in self.FEATURE_PARTS:  # what the engine's parts cannot do in a pipeline, as they declare it
+            refusal = part.pipeline_refusal(config, model)
+            if refusal is not None:
+                raise refusal
         self._checkpoint_names = model.checkpoint_names()
         super().__init__(model=model, config=config, **kwargs)
         if self.zero is None:

@@ -34,6 +34,14 @@ class RandomLTD:
         if self.scheduler is not None and any(isinstance(m, RandomLayerTokenDrop) for m in module.modules()):
             self.initialize_layers()
 
+    @staticmethod
+    def pipeline_refusal(config: Any, module: nn.Module) -> Exception | None:
+        """Why a `PipelineEngine` cannot train with random-LTD (None: it is off)."""
+        if not config.data_efficiency.data_routing.random_ltd.enabled:
+            return None
+        return NotImplementedError(f"{RANDOM_LTD} with a PipelineModule is not implemented in ds-all: the schedule "
+                                   "runs the stages' forwards, which the engine's random-LTD schedule does not reach")
+
     def initialize_layers(self) -> None:
         """DeepSpeed's ``random_ltd_initialize``: the wrappers of ``random_ltd_layer_id`` (indices among the model's
         wrappers, in module order) take the section's options and follow the schedule; the others stay plain."""

@@ -30,6 +30,14 @@ class Restore(enum.Enum):
         return {Restore.RUN: True, Restore.SAME_WORLD: same_world, Restore.SCHEDULE: schedule}[self]
 
 
+class RefusesPipeline(Protocol):
+    """A part class that says whether a `PipelineEngine` can train with its feature: ``pipeline_refusal(config,
+    module)`` is the error to raise (None: it can). `PipelineEngine` refuses from these declarations."""
+
+    @staticmethod
+    def pipeline_refusal(config: Any, module: Any) -> Exception | None: ...
+
+
 class Stateful(Protocol):
     """A part the checkpointer saves and restores (see the module docstring)."""
 
