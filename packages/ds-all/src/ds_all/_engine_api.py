@@ -27,6 +27,7 @@ from ._engine_getters import _DTYPES, EngineGetters, _setting, not_built
 from ._optimizers import optimizer_class
 
 logger = logging.getLogger("ds_all")
+_MISSING = object()
 
 
 class EngineAPI(EngineGetters):
@@ -34,18 +35,32 @@ class EngineAPI(EngineGetters):
 
     def __getattr__(self, name: str) -> Any:
         """What the engine lacks is read from the wrapped model (``engine.some_model_attribute``), as
-        DeepSpeed's engine passes attribute reads through to ``self.module``."""
+        DeepSpeed's engine passes attribute reads through to ``self.module``. The engine's own names never are:
+        Python calls this also when one of the engine's properties raised AttributeError (a part lacking what the
+        property reads), and then the property's own error is raised, not masked by the model's attribute of the
+        same name; a part (`PART_NAMES`) read before the engine built it is an error too."""
         try:
             return super().__getattr__(name)  # nn.Module's: parameters, buffers, submodules
         except AttributeError:
-            modules = self.__dict__.get("_modules")  # absent before nn.Module.__init__: no recursion
-            module = modules.get("module") if modules is not None else None
-            if module is not None:
-                try:
-                    return getattr(module, name)
-                except AttributeError:
-                    pass
-        raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
+            pass
+        cls = type(self)
+        for klass in cls.__mro__:  # the engine's own attribute, whose __get__ raised: again, for its error
+            attribute = klass.__dict__.get(name, _MISSING)
+            if attribute is not _MISSING:
+                if hasattr(attribute, "__get__"):
+                    return attribute.__get__(self, cls)
+                break
+        if name in getattr(cls, "PART_NAMES", ()):
+            raise AttributeError(f"'{cls.__name__}' object has no part '{name}' yet: the engine builds it in "
+                                 "__init__, and nothing reads it before")
+        modules = self.__dict__.get("_modules")  # absent before nn.Module.__init__: no recursion
+        module = modules.get("module") if modules is not None else None
+        if module is not None:
+            try:
+                return getattr(module, name)
+            except AttributeError:
+                pass
+        raise AttributeError(f"'{cls.__name__}' object has no attribute '{name}'")
 
     # The instance attributes DeepSpeed's engine sets that ds has values for (``__init__`` calls this).
     def _init_api_attributes(self, optimizer: Any, lr_scheduler: Any, training_data: Any, collate_fn: Any) -> None:

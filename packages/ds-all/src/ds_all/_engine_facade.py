@@ -5,6 +5,10 @@ and the like; in ds the counters are `TrainState`'s and each feature's objects i
 to the part that owns the value (the engine, `DeepSpeedEngine`, builds the parts: ``train_state``,
 ``data_efficiency``, ``schedule``, ``loader_position``, ``parallel_groups``, ``moe_wiring``). Kept apart from the
 composition root so that it stays a composition.
+
+`PART_NAMES`, the names of these parts, are the engine's own: the engine's ``__getattr__`` never looks them up on the
+model (a part read before it is built is an error, not the model's attribute of that name), nor the names of these
+properties (one whose part lacks what it reads raises the part's AttributeError).
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ class PartsFacade:
     loader_position: LoaderPosition
     parallel_groups: ParallelGroups
     moe_wiring: MoEWiring
+    PART_NAMES = frozenset(("train_state", "data_efficiency", "schedule", "loader_position", "parallel_groups",
+                            "moe_wiring"))
 
     # the process groups (`_parallel.ParallelGroups`)
     mpu = _forwarded("parallel_groups", "mpu", "The model-parallel unit of `initialize` (None without one).")
