@@ -190,8 +190,8 @@ class GradientReducer:
 
         def start(scratch: bool) -> Any:
             if scratch:
-                return start_bucket_reduction(torch.zeros_like(buffer), None if out is None else torch.empty_like(out),
-                                              group=group)
+                scratch_out = None if out is None else torch.empty_like(out, device=out.device)
+                return start_bucket_reduction(torch.zeros_like(buffer, device=buffer.device), scratch_out, group=group)
             return start_bucket_reduction(buffer, out, group=group)
 
         guard = self.trained_stage3.guard  # a collective of its log; its wait watches the path (`PathGuard`)
