@@ -17,6 +17,7 @@ import torch
 from ._collectives import start_bucket_reduction
 from ._grad_slots import GradientSlots
 from ._model import param_name
+from ._stage3_guard import REDUCTION
 
 logger = logging.getLogger("ds_zero._optimizer")
 
@@ -166,7 +167,7 @@ class GradientReducer:
             if self.trained_stage3 is not None:  # backward is done with this unit's parameters
                 self.trained_stage3.after_reduction(b)
         if not self.policy.shard_optimizer:
-            work = start_bucket_reduction(buffer, None, group=group)
+            work = self._start(b, buffer, None, group)
             self.buffer_work[which] = (work, self._landed(b, lambda: grads.copy_(buffer)))
             return
         # The first micro-step of an accumulation writes the shard directly when the dtypes agree;
@@ -174,12 +175,28 @@ class GradientReducer:
         # the whole local accumulation each time (.grad keeps it): its result replaces the shard's.
         first = self.policy.reduces_whole_accumulation or not self.accumulated
         if first and mine.dtype == buffer.dtype:
-            self.buffer_work[which] = (start_bucket_reduction(buffer, mine, group=group), self._landed(b, None))
+            work = self._start(b, buffer, mine, group)
+            self.buffer_work[which] = (work, self._landed(b, None))
             return
         received = self._received_buffers()[which][:bucket.shard]
-        work = start_bucket_reduction(buffer, received, group=group)
+        work = self._start(b, buffer, received, group)
         self.buffer_work[which] = (work, self._landed(b, (lambda: mine.copy_(received)) if first else
                                                       (lambda: mine.add_(received))))
+
+    def _start(self, b: int, buffer: torch.Tensor, out: torch.Tensor | None, group: Any) -> Any:
+        """Start bucket ``b``'s reduction; at stage 3 as a collective of the path guard's log (`Stage3.reduce`)."""
+        if self.trained_stage3 is None:
+            return start_bucket_reduction(buffer, out, group=group)
+
+        def start(scratch: bool) -> Any:
+            if scratch:
+                scratch_out = None if out is None else torch.empty_like(out, device=out.device)
+                return start_bucket_reduction(torch.zeros_like(buffer, device=buffer.device), scratch_out, group=group)
+            return start_bucket_reduction(buffer, out, group=group)
+
+        guard = self.trained_stage3.guard  # a collective of its log; its wait watches the path (`PathGuard`)
+        guard.issuing(REDUCTION - b, lambda: start(True))
+        return guard.issued(start(False))
 
     def _landed(self, b: int, then: Callable | None) -> Callable | None:
         """What runs once bucket ``b``'s reduction has landed: ``then``, and under ZeRO-Offload at the
@@ -208,8 +225,9 @@ class GradientReducer:
         """The next bucket buffer (waiting for the reduction that still uses it, if any)."""
         which = self._next_buffer
         self._next_buffer = (which + 1) % len(self.bucket_buffers)
-        if self.buffer_work[which] is not None:
-            _complete(*self.buffer_work[which])
+        if self.buffer_work[which] is not None:  # (in backward: a stage-3 wait also watches the path)
+            guard = None if self.trained_stage3 is None else self.trained_stage3.guard
+            _complete(*self.buffer_work[which], waiting=guard)
             self.buffer_work[which] = None
         return which, self.bucket_buffers[which][:length]
 
@@ -263,7 +281,10 @@ class GradientReducer:
         self.host = None
 
 
-def _complete(work: Any, then: Callable | None) -> None:
-    work.wait()
+def _complete(work: Any, then: Callable | None, waiting: Any = None) -> None:
+    if waiting is None:
+        work.wait()
+    else:
+        waiting.wait(work)
     if then is not None:
         then()

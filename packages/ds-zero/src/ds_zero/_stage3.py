@@ -26,9 +26,8 @@ optimizer's flat partition, so the optimizer steps it where it is.
   device, where the all-gathers run; the partition is there too, or on the host with
   ``offload_param`` (`_stage3_offload`: each gather copies the shard up first, prefetches ahead on a
   side stream).
-* **Same path on every rank**: every request starts with a tiny all-gather of the unit's id, so ranks
-  that call different modules fail at once with the module each rank asked for, instead of issuing
-  collectives of different sizes that hang or mix data.
+* **Same path on every rank** (`PathGuard`, `_stage3_guard`): ranks that call different modules fail at
+  once, naming them, instead of issuing collectives of different sizes that hang or mix data.
 """
 
 from __future__ import annotations
@@ -46,7 +45,7 @@ import ds_comm
 
 from ._layout import Bucket, FlatLayout
 from ._params import ZeroParamStatus, forget, give_id, install, set_shard, uninstall
-from ._stage3_guard import END_OF_BACKWARD, END_OF_FORWARD, PathGuard, check_group
+from ._stage3_guard import END_OF_BACKWARD, END_OF_FORWARD, PathGuard
 from ._stage3_offload import ShardMover, offload_param_device
 from ._units import plan_units, tensors_in  # noqa: F401  (plan_units: imported from here)
 
@@ -86,7 +85,7 @@ class _Saved:
     offset: int
 
 
-class Stage3(PathGuard):
+class Stage3:
     """Gathers, releases and prefetches a model's units for `ZeroOptimizer` at stage 3."""
 
     def __init__(self, model: nn.Module, params: list[nn.Parameter], layout: FlatLayout, unit_names: list[str],
@@ -129,7 +128,8 @@ class Stage3(PathGuard):
         self.gathers = 0  # all-gathers issued (for tests and the benchmark)
         self._hooks: list[Any] = []
         self._names = {unit.index: unit.name for unit in self.units}
-        self._check_group = check_group(group)
+        self.guard = PathGuard(group, self._names, host=self.device.type == "cpu")  # waits block on the host
+        self._check_group = self.guard.group
         owners = self._owners()
         for p, (unit, k) in owners.items():
             p.ds_shape, p.ds_numel = unit.shapes[k], unit.shapes[k].numel()
@@ -226,12 +226,8 @@ class Stage3(PathGuard):
             self.request(unit, "backward")
 
     def _external_units(self, module: nn.Module) -> list[int]:
-        out = []
-        for p in getattr(module, EXTERNAL, ()):
-            owner = getattr(p, "_ds_stage3", None)
-            if owner is not None and owner[0] is self:
-                out.append(owner[1])
-        return out
+        owners = [getattr(p, "_ds_stage3", None) for p in getattr(module, EXTERNAL, ())]
+        return [owner[1] for owner in owners if owner is not None and owner[0] is self]
 
     def _begin_forward(self) -> None:
         if self._saved_hooks:  # a forward that raised left its hooks on
@@ -251,7 +247,9 @@ class Stage3(PathGuard):
             self._saved_hooks.pop().__exit__(None, None, None)
         if check:
             self._flush()
-            self._check(END_OF_FORWARD)
+            self.guard.end(END_OF_FORWARD)
+        else:
+            self.guard.abandon()
 
     def pack_saved(self, tensor: torch.Tensor) -> Any:
         """Autograd's saved-tensor pack hook (a frozen-parameter `Stage3` of the same model chains to it)."""
@@ -273,12 +271,13 @@ class Stage3(PathGuard):
     def request(self, unit: Unit, phase: str) -> None:
         """Make ``unit`` whole here: gather it (or wait for its prefetch), point its parameters at it,
         and decide what to prefetch. No gather is issued before every rank has said it issues the
-        same: an on-demand gather checks at once (`_check`); prefetches are announced with a check
+        same (`PathGuard`): an on-demand gather checks at once; prefetches are announced with a check
         that runs while this module computes and are issued at the next request (`_flush`), so a
         step that follows its trace waits for no other rank at module boundaries."""
         self._flush()
         self._recording.append(unit.index)
         code = 2 * unit.index + (phase == "backward")
+        self.guard.requested(code)
         on_trace = False
         if self._position is not None and self._trace is not None:
             if self._position < len(self._trace) and self._trace[self._position] == unit.index:
@@ -289,11 +288,11 @@ class Stage3(PathGuard):
                 self._drop_ahead()
         self._ahead.discard(unit.index)
         if unit.full is None:
-            self._check(code, [unit.index])
-            self._gather(unit)
+            self.guard.check(code, [unit.index])
+            self._gather(unit, code)
         prefetch = self._to_prefetch() if on_trace else []
         if prefetch:
-            self._pending = (self._start_check(code, prefetch), prefetch)
+            self._pending = (self.guard.announce(code, prefetch), prefetch, code % 2)
             for u in prefetch:  # NVMe: reads run while the check does and the module computes; host: copies up
                 if self.mover.host and self.shards is None:
                     self._stage(self.units[u])
@@ -305,12 +304,12 @@ class Stage3(PathGuard):
         """The announced prefetches: wait for their check, then issue them."""
         if self._pending is None:
             return
-        check, units = self._pending
+        check, units, backward = self._pending
         self._pending = None
-        self._verify(*check)
+        self.guard.confirm(check)
         for u in units:
             if self.units[u].full is None:
-                self._gather(self.units[u])
+                self._gather(self.units[u], 2 * u + backward)
                 self._ahead.add(u)
             else:  # gathered meanwhile (a tied weight): its read or staged copy is not needed
                 self._unstage(u)
@@ -354,9 +353,13 @@ class Stage3(PathGuard):
         request.wait()
         return shard
 
-    def _gather(self, unit: Unit) -> None:
+    def _gather(self, unit: Unit, code: int | None = None) -> None:
         """Issue ``unit``'s all-gather on the device: this rank's shard into its place first (copied up
-        from the host with offload_param; a staged prefetch's copy is waited for), then in place."""
+        from the host with offload_param; a staged prefetch's copy is waited for), then in place.
+        ``code``: a gather of a forward or backward, which the path guard sees first."""
+        if code is not None:
+            self.guard.issuing(code, lambda n=unit.bucket.padded: ds_comm.all_gather_bucket(
+                torch.empty(n, dtype=self.dtype, device=self.device), group=self.group, async_op=True))
         staged = self._staged.pop(unit.index, None)
         if staged is not None:
             unit.full, event = staged
@@ -394,7 +397,7 @@ class Stage3(PathGuard):
 
     def _point(self, unit: Unit) -> None:
         if unit.work is not None:
-            unit.work.wait()
+            self.guard.wait(unit.work, unit.index)
             unit.work = None
         if not unit.pointed:
             for p, shape, offset in zip(unit.params, unit.shapes, unit.offsets, strict=True):
@@ -418,7 +421,7 @@ class Stage3(PathGuard):
         if unit.persistent or unit.held or unit.users or unit.full is None:
             return
         if unit.work is not None:
-            unit.work.wait()
+            self.guard.wait(unit.work, unit.index)
             unit.work = None
         self._by_storage.pop(unit.full.untyped_storage().data_ptr(), None)
         self._release_params(unit)
@@ -487,7 +490,7 @@ class Stage3(PathGuard):
         """End of a backward: every rank agrees it ended, every non-persistent unit is released, and
         this step's requests become the trace the next step prefetches by."""
         self._flush()
-        self._check(END_OF_BACKWARD)
+        self.guard.end(END_OF_BACKWARD)
         for unit in self.units:
             self.release(unit)
         if self._position is None or self._trace is None or self._position != len(self._trace):
@@ -553,6 +556,7 @@ class Stage3(PathGuard):
         self.close()
 
     def close(self) -> None:
+        self.guard.close()
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
