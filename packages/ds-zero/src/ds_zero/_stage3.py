@@ -26,9 +26,8 @@ optimizer's flat partition, so the optimizer steps it where it is.
   device, where the all-gathers run; the partition is there too, or on the host with
   ``offload_param`` (`_stage3_offload`: each gather copies the shard up first, prefetches ahead on a
   side stream).
-* **Same path on every rank** (`PathGuard`, `_stage3_guard`): ranks that call different modules fail at
-  once, naming them, instead of issuing collectives of different sizes that hang or mix data.
-"""
+* **Same path on every rank** (`PathGuard`, `_stage3_guard`): ranks that call different modules fail at once,
+  naming them, instead of issuing collectives of different sizes that hang or mix data."""
 
 from __future__ import annotations
 
