@@ -5,10 +5,9 @@ float32 master weights (``master/<name>``; with ``bf16.bf16_master_weights_and_g
 parameters themselves, and a checkpoint loads into either, converted) and of every optimizer state of
 the same size (``optim/<key>/<name>``), plus replicated scalars (``optim_scalar/<key>``) and the
 module's buffers and frozen parameters (``module/<name>``). Which rank held which range is recorded
-by DCP, so a checkpoint saved by N ranks at stage s loads into M ranks at stage t: each loading rank
-asks for its own pieces (stage 1-2) or whole tensors (stage 0), and DCP's planner reads the
-overlapping ranges of the saved shards. The rest (loss scaler, counters, hyperparameters) is plain
-data returned by `zero_metadata`.
+by DCP, so a checkpoint saved by N ranks at stage s loads into M ranks at stage t: each loading rank asks for
+its own pieces (stage 1-2) or whole tensors (stage 0), and DCP's planner reads the overlapping ranges of the
+saved shards. The rest (loss scaler, counters, hyperparameters) is plain data returned by `zero_metadata`.
 
 When ZeRO's data-parallel group is not the whole world (a pipeline: each stage's group holds its own
 layers), the checkpoint is the union of every group's: shards are placed by world rank, a parameter
@@ -20,15 +19,13 @@ experts) are the same case within one group: each is written by the ranks of the
 lowest world rank that holds it (as the pieces they hold), under its checkpoint name (the caller maps
 local expert names to global ones with ``checkpoint_names``), and loads into any other grouping.
 
-A parameter sliced over a tensor-parallel group (Megatron's ``tensor_model_parallel``/``partition_dim``
-marks, given the group: ``tensor_parallel_group``) is saved as the whole parameter, each slice's pieces as
-the runs of the whole they cover (`_checkpoint_tp`), so a checkpoint loads at any other tensor-parallel
-size, the unsplit model's included, and ``zero_meta.json`` records whole shapes.
+A parameter sliced over a tensor-parallel group (Megatron's ``tensor_model_parallel``/``partition_dim`` marks,
+given the group: ``tensor_parallel_group``) is saved whole, each slice's pieces as the runs of the whole they
+cover (`_checkpoint_tp`): it loads at any tensor-parallel size, the unsplit model's too (whole shapes recorded).
 
-ZeRO's shards end at bucket boundaries, not at even splits of each parameter, so they cannot be
-DTensor ``Shard(0)`` placements; they are `ShardedTensor`s (DCP's type for arbitrary shards) built
-from metadata every rank computes alone, with no collective.
-"""
+ZeRO's shards end at bucket boundaries, not at even splits of each parameter, so they cannot be DTensor
+``Shard(0)`` placements: they are `ShardedTensor`s (DCP's type for arbitrary shards) built from metadata
+every rank computes alone, with no collective."""
 
 from __future__ import annotations
 
@@ -42,6 +39,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+from ds_config import write_atomic
 
 from ._checkpoint_tp import Slice, checkpoint_slices, sharded_slice
 from ._compressed import CompressedOptimizer
@@ -69,9 +67,8 @@ logger = logging.getLogger(__name__)
 
 
 def _dcp():
-    """``torch.distributed.checkpoint``, imported when a checkpoint is saved or loaded: it pulls in DTensor
-    and sympy, about 4 s on this CPU, which every process that imports ds_zero (each rank a launcher
-    starts) would otherwise pay."""
+    """``torch.distributed.checkpoint``, imported at a checkpoint's save or load: it pulls in DTensor and sympy,
+    about 4 s on this CPU, which every process importing ds_zero (each launched rank) would pay otherwise."""
     import torch.distributed.checkpoint
 
     return torch.distributed.checkpoint
@@ -544,12 +541,7 @@ def save_zero_checkpoint(zero: ZeroOptimizer, path: Any, *, extra: dict[str, Any
         state.update(extra)
     if torch.distributed.get_rank() == 0:  # into the directory first: DCP's files are what completes it
         os.makedirs(path, exist_ok=True)
-        target = os.path.join(path, META_FILE)
-        with open(target + ".tmp", "w") as f:
-            json.dump(zero_metadata(zero, exclude_frozen_parameters, parts, tp), f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(target + ".tmp", target)
+        write_atomic(os.path.join(path, META_FILE), json.dumps(zero_metadata(zero, exclude_frozen_parameters, parts, tp)))
     from ._storage import RawWriter
 
     dcp = _dcp()
