@@ -107,6 +107,9 @@ class DeepSpeedEngine(PartsFacade, EngineAPI, nn.Module):
         self.schedule = ScheduleState(None)  # the learning-rate schedule
         self.checkpointer: Checkpointer | None = None  # with an optimizer: save/load over the parts' states
         self.timers = Timers(device_events=config.wall_clock_breakdown)
+        # before ZeRO takes the model: rank 0 alone makes the monitors, and a rank-local failure after ZeRO
+        # partitioned the model would meet the others in close()'s collective (a hang, not an error)
+        self.monitor = Monitors(config, rank=self.global_rank)
         self.zero: ZeroOptimizer | None = None
         self._init_api_attributes(optimizer, lr_scheduler, training_data, collate_fn)
         self.optimizer: Any = None
@@ -153,7 +156,6 @@ class DeepSpeedEngine(PartsFacade, EngineAPI, nn.Module):
             ds_comm.configure(config.comms_logger)
             if "activation_checkpointing" in config.model_fields_set:
                 checkpointing.configure(mpu, deepspeed_config=config.activation_checkpointing)
-            self.monitor = Monitors(config, rank=self.global_rank)
             self.progress = ProgressBar(enabled=self.global_rank == 0,
                                         total=getattr(self.lr_scheduler, "total_num_steps", None))
         except BaseException:
