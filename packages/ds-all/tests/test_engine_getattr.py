@@ -53,6 +53,9 @@ def reads(rank: int, world_size: int) -> dict[str, str]:
     engine.parallel_groups, groups = PartWithout(), engine.parallel_groups
     out["groups part lacks"] = _error(lambda: engine.dp_world_size)
     engine.parallel_groups = groups
+    engine.has_moe_layers, engine.checkpoint_mp_rank = True, 3  # DeepSpeed's are plain attributes: assignable
+    out["assigned"] = f"{engine.has_moe_layers} {engine.moe_wiring.has_moe_layers} {engine.checkpoint_mp_rank}"
+    engine.has_moe_layers = False
     engine.destroy()
     return out
 
@@ -68,3 +71,4 @@ def test_missing_names_read_the_model_but_the_engine_s_own_names_raise_their_own
     # a part not built: neither it nor a property reading it is the model's
     assert out["no part"].startswith("AttributeError: 'DeepSpeedEngine' object has no part 'moe_wiring' yet")
     assert out["property of no part"] == out["no part"]
+    assert out["assigned"] == "True True 3"  # written to the part that owns it

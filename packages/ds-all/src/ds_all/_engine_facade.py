@@ -25,12 +25,16 @@ if TYPE_CHECKING:
 
 
 def _forwarded(part: str, name: str, doc: str) -> property:
-    """A read-only property: the engine's ``name`` is its part ``part``'s ``name``."""
+    """A property: the engine's ``name`` is its part ``part``'s ``name``, read and assigned there (DeepSpeed's
+    engine attributes are plain attributes, and a script may assign one)."""
     def get(self: Any) -> Any:
         return getattr(getattr(self, part), name)
 
-    get.__name__ = name
-    return property(get, doc=doc)
+    def set_(self: Any, value: Any) -> None:
+        setattr(getattr(self, part), name, value)
+
+    get.__name__ = set_.__name__ = name
+    return property(get, set_, doc=doc)
 
 
 class PartsFacade:
