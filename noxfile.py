@@ -387,7 +387,13 @@ for name, version in ds_all.versions().items():
 def wheels(session: nox.Session) -> None:
     """Build every wheel, install ds-all from the wheelhouse into this fresh virtualenv as a user
     would (README), run `python -m ds_all` and import every part from the installed wheels."""
-    _build_wheels(session)
+    # the run's wheels (`_local_wheels`: hatchling, as `python -m build` runs it, built once for every session)
+    if WHEELHOUSE.exists():
+        shutil.rmtree(WHEELHOUSE)
+    WHEELHOUSE.mkdir(parents=True)
+    for wheel in _local_wheels(session).values():
+        shutil.copy(wheel, WHEELHOUSE)
+    session.log(f"wheels: {', '.join(sorted(p.name for p in WHEELHOUSE.glob('*.whl')))}")
     _install(session, TORCH, "--find-links", str(WHEELHOUSE), "ds-all")
     session.run("python", "-m", "ds_all")
     session.run("python", "-c", _CHECK_INSTALLED, str(WHEELHOUSE))

@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from ds_comm.testing import free_port
+
 TRAINING = Path(__file__).parent / "deepspeed_examples" / "training"
 
 
@@ -27,7 +29,9 @@ def _launch(tmp_path: Path, script: Path, *args: str) -> tuple[subprocess.Comple
     working directory); returns the run and rank 0's losses (None when it wrote none)."""
     out = tmp_path / "losses.json"
     env = {**{k: v for k, v in os.environ.items() if k != "DS_EXAMPLE_BACKEND"}, "DS_EXAMPLE_LOSSES": str(out)}
-    result = subprocess.run([sys.executable, "-m", "ds_launch", "--num_procs", "2", str(script), *args],
+    # a port of its own: the default 29500 is taken by whichever example another pytest worker runs
+    result = subprocess.run([sys.executable, "-m", "ds_launch", "--num_procs", "2", "--master_port", str(free_port()),
+                             str(script), *args],
                             capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
     return result, json.loads(out.read_text()) if out.exists() else None
 
@@ -166,7 +170,6 @@ def test_variable_batch_example_trains_on_batches_packed_by_token_count(tmp_path
     out = tmp_path / "losses.json"
     env = {**{k: v for k, v in os.environ.items() if k != "DS_EXAMPLE_BACKEND"}, "DS_EXAMPLE_LOSSES": str(out)}
     script = TRAINING / "data_efficiency" / "variable_batch_size_and_lr" / "variable_batch_size_and_lr_example.py"
-    from ds_comm.testing import free_port
 
     result = subprocess.run([sys.executable, "-m", "ds_launch", "--no_local_rank", "--master_port", str(free_port()),
                              "--num_procs", "2", str(script)],

@@ -25,7 +25,7 @@ import ds_ops
 import ds_parallel
 import ds_pipe
 import ds_zero
-from ds_comm.testing import spawn
+from ds_comm.testing import free_port, spawn
 
 EXAMPLES = Path(__file__).parent / "deepspeed_examples"
 
@@ -199,7 +199,9 @@ def test_the_deepspeed_logger_is_deepspeeds():
 def _run_example(tmp_path: Path, script: str, *args: str) -> dict:
     out = tmp_path / "losses.json"
     env = {**{k: v for k, v in os.environ.items() if k != "DS_EXAMPLE_BACKEND"}, "DS_EXAMPLE_LOSSES": str(out)}
-    result = subprocess.run([sys.executable, "-m", "ds_launch", "--num_procs", "2", str(EXAMPLES / script), *args],
+    # a port of its own: the default 29500 is taken by whichever example another pytest worker runs
+    result = subprocess.run([sys.executable, "-m", "ds_launch", "--num_procs", "2", "--master_port", str(free_port()),
+                             str(EXAMPLES / script), *args],
                             capture_output=True, text=True, timeout=300, env=env, cwd=EXAMPLES)
     assert result.returncode == 0 and out.exists(), result.stdout[-4000:] + result.stderr[-4000:]
     return json.loads(out.read_text())

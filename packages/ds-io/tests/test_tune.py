@@ -105,8 +105,11 @@ def test_progress_uses_carriage_returns_only_on_a_terminal(tty):
 
 def _cli(tmp_path, *extra):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    # SIGINT as a terminal gives it: a test run started in the background of a shell without job control
+    # inherits SIGINT ignored, and the Ctrl-C test's signal would then do nothing
     return subprocess.Popen([sys.executable, "-m", "ds_io.tune", "--nvme_dir", str(tmp_path), *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def test_progress_in_a_log_file_is_one_line_per_configuration(tmp_path):
