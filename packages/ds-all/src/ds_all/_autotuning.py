@@ -19,13 +19,17 @@ import json
 import logging
 import os
 import time
-from typing import Any, Literal
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from ds_config import Section, write_atomic
 from pydantic import Field, model_validator
 
 import ds_comm
+
+if TYPE_CHECKING:
+    from ._train_state import TrainState
 
 logger = logging.getLogger("ds_all")
 
@@ -86,19 +90,23 @@ def write_json_atomic(path: str, value: dict) -> None:
     write_atomic(path, json.dumps(value))
 
 
-class EngineProfiler:
-    """The engine's autotuning hooks: `forward` (a context around the model's forward) and `at_boundary`."""
+class AutotuningProfiler:
+    """The engine's part for an autotuning experiment (see the module docstring), built by the engine from its
+    inputs when ``autotuning.enabled`` is true: the section, the model, the run's counters (`TrainState`, read at
+    each boundary), this rank, its device and the model-parallel size, the batch sizes as callables (a script may
+    change them: ``set_train_batch_size``), and ``release``, what frees the engine before the run exits. Its hooks:
+    `forward` (a context around the model's forward) and `at_boundary` (after each optimizer step)."""
 
-    def __init__(self, engine: Any) -> None:
-        self.engine = engine
-        self.section: AutotuningConfig = engine.config.autotuning
+    def __init__(self, section: AutotuningConfig, *, module: torch.nn.Module, train_state: TrainState,
+                 global_rank: int, device: torch.device, mp_world_size: int, train_batch_size: Callable[[], int],
+                 gradient_accumulation_steps: Callable[[], int], release: Callable[[], None]) -> None:
+        self.section, self.module, self.train_state = section, module, train_state
+        self.global_rank, self.device, self.mp_world_size = global_rank, device, mp_world_size
+        self.train_batch_size, self.gradient_accumulation_steps = train_batch_size, gradient_accumulation_steps
+        self.release = release
         self.flops_per_forward: float | None = None
-        self.start: float | None = time.perf_counter() if self.section.start_profile_step == 0 else None
+        self.start: float | None = time.perf_counter() if section.start_profile_step == 0 else None
         self.saved_bytes = 0
-
-    @classmethod
-    def attach(cls, engine: Any) -> EngineProfiler | None:
-        return cls(engine) if engine.config.autotuning.enabled else None
 
     @contextlib.contextmanager
     def forward(self):
@@ -112,10 +120,10 @@ class EngineProfiler:
                 handle.remove()
             self._write_model_info()
             return
-        if self.flops_per_forward is None and self.engine.global_steps == 0:
+        if self.flops_per_forward is None and self.train_state.global_steps == 0:
             from ds_profiler import FlopsProfiler
 
-            profiler = FlopsProfiler(self.engine.module)
+            profiler = FlopsProfiler(self.module)
             profiler.start_profile()
             try:
                 yield
@@ -136,13 +144,12 @@ class EngineProfiler:
                 self.saved_bytes += t.numel() * t.element_size()
 
     def _write_model_info(self) -> None:
-        engine = self.engine
-        params = list(engine.module.parameters())
+        params = list(self.module.parameters())
         num = sum(int(getattr(p, "ds_numel", p.numel())) for p in params)
         trainable = sum(int(getattr(p, "ds_numel", p.numel())) for p in params if p.requires_grad)
-        if engine.global_rank == 0:
-            device = engine.device
-            info = {"num_params": num * engine.mp_world_size, "trainable_num_params": trainable * engine.mp_world_size,
+        if self.global_rank == 0:
+            device = self.device
+            info = {"num_params": num * self.mp_world_size, "trainable_num_params": trainable * self.mp_world_size,
                     "activation_mem_per_gpu": self.saved_bytes, "rank": 0, "device_type": device.type,
                     "device_memory_per_gpu": _device_memory(device)}
             path = self.section.model_info_path or os.path.join(os.getcwd(), "autotuning_model_info.json")
@@ -155,20 +162,19 @@ class EngineProfiler:
         ``end_profile_step`` + 1 write the metric file and exit."""
         if self.section.profiles_model_info():  # no forward went through engine.forward (a pipeline's schedule)
             self._write_model_info()
-        steps = self.engine.global_steps
+        steps = self.train_state.global_steps
         if steps == self.section.start_profile_step:
             self.start = time.perf_counter()
         if steps != self.section.end_profile_step + 1 or self.start is None:
             return
-        engine = self.engine
-        if engine.device.type == "cuda":
-            torch.cuda.synchronize(engine.device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         elapsed = time.perf_counter() - self.start
         n = self.section.end_profile_step + 1 - self.section.start_profile_step
-        if engine.global_rank == 0:
+        if self.global_rank == 0:
             latency_us = elapsed * 1e6 / n
-            flops = (self.flops_per_forward or 0.0) * 3 * engine.gradient_accumulation_steps()  # fwd + 2x bwd
-            metrics = {"latency": latency_us, "throughput": engine.train_batch_size() * 1e6 / latency_us,
+            flops = (self.flops_per_forward or 0.0) * 3 * self.gradient_accumulation_steps()  # fwd + 2x bwd
+            metrics = {"latency": latency_us, "throughput": self.train_batch_size() * 1e6 / latency_us,
                        "FLOPS_per_gpu": flops * 1e6 / latency_us, "steps": n, "rank": 0}
             path = self.section.metric_path or os.path.join(os.getcwd(), "autotuning_metric.json")
             write_json_atomic(path, metrics)
@@ -177,10 +183,10 @@ class EngineProfiler:
         self._exit()
 
     def _exit(self) -> None:
-        """Every rank: wait for the others, free the engine, leave the script (exit code 0)."""
+        """Every rank: wait for the others, free the engine (``release``), leave the script (exit code 0)."""
         if ds_comm.is_initialized():
             ds_comm.barrier()
-        self.engine.destroy()
+        self.release()
         raise SystemExit(0)
 
 

@@ -37,7 +37,7 @@ from . import (
     checkpointing,
 )
 from ._autocast import Autocast
-from ._autotuning import EngineProfiler
+from ._autotuning import AutotuningProfiler
 from ._checkpoint import Checkpointer, ScheduleState
 from ._data_efficiency import DataEfficiency
 from ._device import engine_device, place_model
@@ -180,7 +180,12 @@ class DeepSpeedEngine(PartsFacade, EngineAPI, nn.Module):
         self._step_applied = False
         if config.dump_state and self.global_rank == 0:
             logger.info("ds_all config:\n%s", config.model_dump_json(indent=2, exclude_defaults=True))
-        self._autotuning = EngineProfiler.attach(self)  # autotuning.enabled: profile, write the metric, exit
+        # autotuning.enabled: profile this run (ds-autotune's experiment), write the metric, free the engine, exit
+        self._autotuning = AutotuningProfiler(
+            config.autotuning, module=model, train_state=self.train_state, global_rank=self.global_rank,
+            device=self.device, mp_world_size=self.mp_world_size, train_batch_size=self.train_batch_size,
+            gradient_accumulation_steps=self.gradient_accumulation_steps, release=self.destroy,
+        ) if config.autotuning.enabled else None
 
     # ------------------------------------------------------------------------------ parts
     # the parts whose features an engine of another kind may refuse: each class's pipeline_refusal(config, module)
