@@ -112,6 +112,29 @@ def test_the_fingerprint_follows_the_sources(tmp_path):
     assert _BrokenBuilder(source).fingerprint() != before
 
 
+def test_virtualenvs_with_one_pybind11_share_a_build_and_other_cpus_do_not(monkeypatch, tmp_path):
+    """The key holds pybind11's version, not its headers' path (one per virtualenv), and under
+    DS_BUILD_SIMD=native the CPU -march=native compiled for."""
+    source = tmp_path / "op.cpp"
+    source.write_text("int f() { return 1; }\n")
+    monkeypatch.delenv("DS_BUILD_SIMD", raising=False)
+    before = _BrokenBuilder(source).fingerprint()
+    monkeypatch.setattr(system, "pybind11_include", lambda: tmp_path / "another-venv" / "include")
+    assert _BrokenBuilder(source).fingerprint() == before
+    monkeypatch.setattr(system, "pybind11_version", lambda: "0.0.1")
+    assert _BrokenBuilder(source).fingerprint() != before
+    monkeypatch.undo()
+    monkeypatch.delenv("DS_BUILD_SIMD", raising=False)
+    model, flags = system.cpu()
+    other = flags ^ {"avx512f"}  # the same model name with or without AVX-512 (a VM's CPU flags)
+    monkeypatch.setattr(system, "cpu", lambda: (model, other))
+    assert _BrokenBuilder(source).fingerprint() != before
+    monkeypatch.setenv("DS_BUILD_SIMD", "avx2")  # a portable level's build runs on either
+    portable = _BrokenBuilder(source).fingerprint()
+    monkeypatch.setattr(system, "cpu", lambda: (model, flags))
+    assert _BrokenBuilder(source).fingerprint() == portable
+
+
 def test_a_cxx_that_names_nothing_is_named_as_the_problem(monkeypatch, tmp_path):
     monkeypatch.setenv("CXX", "/nonexistent/c++")
     monkeypatch.setenv("DS_OPS_CACHE", str(tmp_path))

@@ -109,7 +109,8 @@ class OpBuilder:
         digest = hashlib.sha256()
         cxx = system.compiler() or "none"
         for part in (BUILDER_VERSION, self.NAME, sys.version, EXT_SUFFIX, cxx, system.compiler_version(cxx),
-                     " ".join(self.cxx_flags()), " ".join(self.ldflags()), str(system.pybind11_include())):
+                     " ".join(self.cxx_flags()), " ".join(self.ldflags()), system.pybind11_version(),
+                     system.native_target()):
             digest.update(part.encode() + b"\0")
         headers = sorted({h for d in self.include_dirs() for h in d.glob("*.h")})
         for path in [*self.sources(), *headers]:

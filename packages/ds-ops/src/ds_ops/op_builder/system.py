@@ -88,6 +88,27 @@ def pybind11_include() -> Path | None:
     return Path(pybind11.get_include())
 
 
+def pybind11_version() -> str:
+    """The pybind11 whose headers a build compiles against ("none" without one): the op cache's key holds
+    this, not the headers' path, so virtualenvs with the same pybind11 share their builds (each CI session
+    has its own virtualenv: with the path in the key every session built every op again)."""
+    try:
+        import pybind11
+    except ImportError:
+        return "none"
+    return pybind11.__version__
+
+
+def native_target() -> str:
+    """What ``-march=native`` resolves to: the CPU's model and feature flags under DS_BUILD_SIMD=native, else
+    "" (a portable level's flags say it all). In the op cache's key, so a cache shared by machines of other
+    CPU kinds (a home directory on NFS) never hands one a build with instructions it lacks."""
+    if simd_choice() != "native":
+        return ""
+    model, flags = cpu()
+    return f"{model}: {' '.join(sorted(flags))}"
+
+
 def simd_choice() -> str:
     choice = os.environ.get("DS_BUILD_SIMD", "native").lower()
     if choice not in SIMD_CHOICES:
