@@ -27,7 +27,7 @@ NVMe) by design and are not moved, nor, at stage 3, the gradient partition (Deep
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -92,21 +92,37 @@ def _move_root(root: torch.Tensor, device: torch.device, views: list[torch.Tenso
     return True
 
 
-class OffloadStates:
-    """The offload half of `ZeroOptimizer` (see the module docstring). A mixin: `ZeroOptimizer` owns the
-    state (``self._offloaded``: each offloaded state -> {id of each of its roots: the device it came from})."""
+class StateMover:
+    """Moves ZeRO's states to the host and back (see the module docstring); it owns what it moved
+    (``offloaded``: each offloaded state -> {id of each of its roots: the device it came from}). Its inputs:
+    ``roots(state)``, the flat tensors holding a state (`state_roots`); ``views()``, every tensor that may be
+    a view of one (`state_views`); ``movable``, the states that may move (`movable_states`);
+    ``param_device``: ``offload_param.device`` (moving is refused with one); ``finish_in_flight``: completes
+    the gradient reductions in flight (they write the states)."""
 
-    def offload_states(self, include: Iterable[OffloadStateTypeEnum] | None = None,
-                       device: OffloadDeviceEnum = OffloadDeviceEnum.cpu, pin_memory: bool = True,
-                       non_blocking: bool = False) -> None:
-        """Move the states in ``include`` (default: all; see `OffloadStateTypeEnum`) to ``device`` (the
-        host: ``OffloadDeviceEnum.cpu``; ``none`` does nothing, ``nvme`` is refused, as in DeepSpeed), into
-        pinned memory with ``pin_memory``. Call it between (micro-)steps; `reload_states`
-        brings them back. A state already offloaded, or already on the host, is not moved again. Gradient
-        reductions still in flight (stages 2-3 between micro-steps) are completed first."""
+    def __init__(self, *, roots: Callable[[OffloadStateTypeEnum], list[torch.Tensor]],
+                 views: Callable[[], Iterator[torch.Tensor]], movable: list[OffloadStateTypeEnum],
+                 param_device: str | None, finish_in_flight: Callable[[], None]):
+        self.roots, self.views, self.movable = roots, views, movable
+        self.param_device, self.finish_in_flight = param_device, finish_in_flight
+        self.offloaded: dict[OffloadStateTypeEnum, dict[int, torch.device]] = {}
+
+    def check_can_move(self, call: str, *, closed: bool) -> None:
+        if closed:
+            raise RuntimeError(f"ZeroOptimizer.{call}: this optimizer was closed")
+        if self.param_device is not None and self.param_device != "none":
+            raise RuntimeError(f"ZeroOptimizer.{call}: the parameters are offloaded to {self.param_device} "
+                               "(zero_optimization.offload_param); moving states is not supported with it (as in "
+                               "DeepSpeed)")
+        # reductions still in flight (between micro-steps at stages 2-3) finish first: they write the states
+        self.finish_in_flight()
+
+    def offload(self, include: Iterable[OffloadStateTypeEnum] | None, device: OffloadDeviceEnum, *, pin_memory: bool,
+                non_blocking: bool, closed: bool) -> None:
+        """See `ZeroOptimizer.offload_states`."""
         states = check_include(include)
         target = check_device(device)
-        self._check_can_move("offload_states")
+        self.check_can_move("offload_states", closed=closed)
         if target == OffloadDeviceEnum.none:
             logger.warning("offload_states: device is 'none', nothing is moved")
             return
@@ -114,91 +130,82 @@ class OffloadStates:
             raise ValueError("offload_states: device 'nvme' is not supported (as in DeepSpeed); offload to 'cpu'")
         host = torch.device("cpu")
         # where each root came from, also when another state moved it (fp32: hp_params is lp_params' buffer)
-        origins = {key: device for moved in self._offloaded.values() for key, device in moved.items()}
-        views = list(self._views())
+        origins = {key: device for moved in self.offloaded.values() for key, device in moved.items()}
+        views = list(self.views())
         for state in states:
-            if state in self._offloaded or state not in self._movable_states():
+            if state in self.offloaded or state not in self.movable:
                 continue
-            self._offloaded[state] = {}
-            for root in self._roots(state):
+            self.offloaded[state] = {}
+            for root in self.roots(state):
                 if id(root) not in origins:
                     origins[id(root)] = root.device
                     _move_root(root, host, views, pin_memory=pin_memory, non_blocking=non_blocking)
-                self._offloaded[state][id(root)] = origins[id(root)]
-        self._finish_moves(non_blocking)
+                self.offloaded[state][id(root)] = origins[id(root)]
+        _finish_moves(non_blocking)
 
-    def reload_states(self, non_blocking: bool = False) -> None:
-        """Move every state `offload_states` moved back to the device it came from."""
-        self._check_can_move("reload_states")
-        views, done = list(self._views()), set()
-        for state, origins in list(self._offloaded.items()):
-            for root in self._roots(state):
+    def reload(self, *, non_blocking: bool, closed: bool) -> None:
+        """See `ZeroOptimizer.reload_states`."""
+        self.check_can_move("reload_states", closed=closed)
+        views, done = list(self.views()), set()
+        for state, origins in list(self.offloaded.items()):
+            for root in self.roots(state):
                 if id(root) not in done and id(root) in origins:
                     done.add(id(root))
                     _move_root(root, origins[id(root)], views, pin_memory=False, non_blocking=non_blocking)
-            del self._offloaded[state]
-        self._finish_moves(non_blocking)
+            del self.offloaded[state]
+        _finish_moves(non_blocking)
 
-    @property
-    def offloaded_states(self) -> set[OffloadStateTypeEnum]:
-        """The states `offload_states` moved and `reload_states` has not brought back."""
-        return set(self._offloaded)
 
-    # ------------------------------------------------------------------------------------ internals
-    def _check_can_move(self, call: str) -> None:
-        if self._closed:
-            raise RuntimeError(f"ZeroOptimizer.{call}: this optimizer was closed")
-        param = self.config.offload_param
-        if param is not None and param.device != "none":
-            raise RuntimeError(f"ZeroOptimizer.{call}: the parameters are offloaded to {param.device} "
-                               "(zero_optimization.offload_param); moving states is not supported with it (as in "
-                               "DeepSpeed)")
-        # reductions still in flight (between micro-steps at stages 2-3) finish first: they write the states
-        self._reducer.finish_in_flight()
+def movable_states(policy: Any) -> list[OffloadStateTypeEnum]:
+    """The states ``offload_states`` may move under ``policy`` (a `ZeroPolicy`)."""
+    states = list(OffloadStateTypeEnum)
+    if policy.offload:  # the master copy and the optimizer step on the host (or NVMe) by design
+        states = [s for s in states if s not in (OffloadStateTypeEnum.hp_params, OffloadStateTypeEnum.optim_states)]
+        if policy.shard_params:
+            states.remove(OffloadStateTypeEnum.lp_grads)
+    return states
 
-    def _movable_states(self) -> list[OffloadStateTypeEnum]:
-        states = list(OffloadStateTypeEnum)
-        if self.offload:  # the master copy and the optimizer step on the host (or NVMe) by design
-            states = [s for s in states if s not in (OffloadStateTypeEnum.hp_params, OffloadStateTypeEnum.optim_states)]
-            if self.policy.shard_params:
-                states.remove(OffloadStateTypeEnum.lp_grads)
-        return states
 
-    def _roots(self, state: OffloadStateTypeEnum) -> list[torch.Tensor]:
-        """The flat tensors ZeRO owns that hold ``state`` (each a base tensor: views point into it)."""
-        if state == OffloadStateTypeEnum.lp_params:
-            roots = [self._flat]
-        elif state == OffloadStateTypeEnum.hp_params:
-            roots = [self._flat if self._master is None else self._master]
-        elif state == OffloadStateTypeEnum.lp_grads:
-            roots = [self._grads, self._partition, self._master_grads]
-        elif state == OffloadStateTypeEnum.contiguous_grad_buffer:
-            roots = [*self._reducer.bucket_buffers, *self._reducer.received]
-        else:
-            roots = [value for per_tensor in self.optimizer.state.values() for key, value in per_tensor.items()
-                     if torch.is_tensor(value) and key != "step"]
-        return [root for root in roots if root is not None]
+def state_roots(buffers: Any, optimizer: torch.optim.Optimizer, reduction_buffers: Callable[[], list[torch.Tensor]],
+                state: OffloadStateTypeEnum) -> list[torch.Tensor]:
+    """The flat tensors ZeRO owns that hold ``state`` (each a base tensor: views point into it), in ``buffers``
+    (a `ZeroBuffers`), the `GradientReducer`'s ``reduction_buffers()`` and ``optimizer``'s state."""
+    if state == OffloadStateTypeEnum.lp_params:
+        roots = [buffers.flat]
+    elif state == OffloadStateTypeEnum.hp_params:
+        roots = [buffers.flat if buffers.master is None else buffers.master]
+    elif state == OffloadStateTypeEnum.lp_grads:
+        roots = [buffers.grads, buffers.partition, buffers.master_grads]
+    elif state == OffloadStateTypeEnum.contiguous_grad_buffer:
+        roots = reduction_buffers()
+    else:
+        roots = [value for per_tensor in optimizer.state.values() for key, value in per_tensor.items()
+                 if torch.is_tensor(value) and key != "step"]
+    return [root for root in roots if root is not None]
 
-    def _views(self) -> Iterator[torch.Tensor]:
-        """Every tensor object that may be a view of a root: the parameters and their gradients, the
-        tensors the optimizer steps and theirs, ZeRO's per-bucket and per-run slices, stage 3's partition,
-        the optimizer's state tensors."""
-        seen: set[int] = set()
-        candidates = [*self._params, *self._step_params, *self._shard_grads, *self._step_grads,
-                      *(self._copies or []), *(per_tensor.get(key) for per_tensor in self.optimizer.state.values()
-                                               for key in per_tensor)]
-        candidates += [t.grad for t in [*self._params, *self._step_params]]
-        if self._host is not None:  # ZeRO-Offload copies from and into these slices of the device buffers
-            candidates += [*self._host.device_grads, *self._host.device_params]
-        if self._stage3 is not None:
-            candidates.append(self._stage3.partition)
-        for tensor in candidates:
-            if torch.is_tensor(tensor) and id(tensor) not in seen:
-                seen.add(id(tensor))
-                yield tensor
 
-    def _finish_moves(self, non_blocking: bool) -> None:
-        accelerator = ds_ops.get_accelerator()
-        if not non_blocking:
-            accelerator.synchronize()
-        accelerator.empty_cache()
+def state_views(buffers: Any, optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
+    """Every tensor object that may be a view of a root: the parameters and their gradients, the
+    tensors the optimizer steps and theirs, ZeRO's per-bucket and per-run slices, stage 3's partition,
+    the optimizer's state tensors."""
+    seen: set[int] = set()
+    params, step_params = buffers.params, buffers.step_params
+    candidates = [*params, *step_params, *buffers.shard_grads, *buffers.step_grads,
+                  *(buffers.copies or []), *(per_tensor.get(key) for per_tensor in optimizer.state.values()
+                                             for key in per_tensor)]
+    candidates += [t.grad for t in [*params, *step_params]]
+    if buffers.host is not None:  # ZeRO-Offload copies from and into these slices of the device buffers
+        candidates += [*buffers.host.device_grads, *buffers.host.device_params]
+    if buffers.stage3 is not None:
+        candidates.append(buffers.stage3.partition)
+    for tensor in candidates:
+        if torch.is_tensor(tensor) and id(tensor) not in seen:
+            seen.add(id(tensor))
+            yield tensor
+
+
+def _finish_moves(non_blocking: bool) -> None:
+    accelerator = ds_ops.get_accelerator()
+    if not non_blocking:
+        accelerator.synchronize()
+    accelerator.empty_cache()

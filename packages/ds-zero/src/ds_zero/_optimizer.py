@@ -41,7 +41,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -49,60 +49,32 @@ from torch import nn
 
 import ds_comm
 
-from ._collectives import gather_buckets, grad_norm
+from ._buffers import ZeroBuffers
+from ._collectives import grad_norm
 from ._compressed import CompressedOptimizer
-from ._engine_calls import EngineCalls
-from ._filling import check_optimizer, fill_master, shard_modified
-from ._frozen import FrozenShards, partitioned_frozen
+from ._engine_calls import check_accumulation_steps, empty_partition_cache, grouped, refresh_master
+from ._filling import check_optimizer
 from ._grad_slots import GradientSlots
-from ._groups import mask_padding, option_groups, step_runs
+from ._groups import mask_padding
 from ._internals import ZeroInternals
-from ._layout import FlatLayout
-from ._master import MasterStep, master_step, step_grad_views
-from ._model import (
-    broadcast_from_first_rank,
-    check_same_model,
-    checked_renames,
-    full_shape,
-    is_init_partitioned,
-    model_device,
-    trainable,
-    unpartition,
-    version,
-)
-from ._nvme import NvmeOptimizer
-from ._offload import HostOffload, host_places
-from ._offload_states import OffloadStates
+from ._master import MasterStep, master_step
+from ._model import checked_renames, model_device, version
+from ._offload_states import StateMover, movable_states, state_roots, state_views
 from ._policy import ZeroPolicy, resolve
-from ._precision import (
-    adam_recipe,
-    cast_floating_inputs,
-    check_bf16_master_optimizer,
-)
-from ._records import build_records
+from ._precision import check_bf16_master_optimizer
 from ._reduction import GradientReducer
-from ._replicas import (
-    check_and_broadcast,
-    check_model_parallel,
-    refuse_replicas,
-    replica_holders,
-    split_process_groups,
-)
+from ._replicas import adopt_model, check_model_parallel, trained_params
 from ._scaler import LossScaler
-from ._sharded import ShardedParams
-from ._state import State
+from ._sharded import full_state_dict
+from ._state import identity, load_rank_state, memory_bytes, needs_refresh, rank_state
 from ._state_access import link_parameters
 from ._zenflow import ZenFlow, master_from_model
+from .config import OffloadDeviceEnum, OffloadStateTypeEnum
 
 logger = logging.getLogger(__name__)
 
-# Buckets hold at most this many elements, whatever reduce_bucket_size allows (DeepSpeed's default,
-# 5e8, makes one bucket of a model below 500M parameters: its reduction cannot start before backward
-# ends). 4M float32 elements (16 MiB, near DDP's 25 MiB buckets) overlap reduction with backward and
-# keep stage 2's bucket buffers small; measured on the engine workload, see the README.
-OVERLAP_BUCKET_ELEMENTS = 1 << 22
 
-class ZeroOptimizer(State, OffloadStates, EngineCalls):
+class ZeroOptimizer:
     """ZeRO stages 0-3 for ``model`` with ``optimizer`` (a class or a callable taking the list of
     tensors to optimize), in a plain loop::
 
@@ -155,26 +127,14 @@ class ZeroOptimizer(State, OffloadStates, EngineCalls):
         self.policy: ZeroPolicy = policy
         self.precision, self.dtype = policy.precision, policy.dtype
         self.communication_data_type = policy.communication_dtype
-        self._check_overflow = policy.check_overflow  # bf16: inf/NaN gradients skip the step (check_grad_overflow)
-        self._bf16_master = policy.bf16_master  # no float32 copy: the optimizer steps the 16-bit partition
-        self._bf16_optimizer_states = policy.bf16_optimizer_states
         self.reduce_in_backward = policy.reduce_in_backward
-        params = trainable(model)
-        group_of, group_options = option_groups(param_groups, model, params)
-        if None in group_of:  # in no group: not optimized, held as a frozen parameter is
-            params = [p for p, g in zip(params, group_of, strict=True) if g is not None]
-            group_of = [g for g in group_of if g is not None]
-        group_options, process_groups = split_process_groups(group_options)  # `_replicas`
-        policy.check_params(model, params)
+        params, group_of, group_options, process_groups = trained_params(model, param_groups, policy)
         self.device = model_device(model, params)  # every buffer below is made there
         if not ds_comm.is_initialized():
             raise RuntimeError("ZeroOptimizer: the process group is not initialised; call ds_comm.init_distributed() first")
-        self.model, self.group, self._params = model, group, params
-        self.checkpoint_names = renames
-        offload_device = policy.offload_device
+        self.model, self.group, self.checkpoint_names = model, group, renames
         self.offload = policy.offload  # the optimizer steps on the CPU (ds_ops' Adam)
         policy.check_param_groups(group_options)
-        self._nvme = None  # NvmeOptimizer: Adam's states (and the master copy) on NVMe
         self.gradient_clipping, self.model_parallel_group = float(gradient_clipping), model_parallel_group
         self.gradient_accumulation_steps = gradient_accumulation_steps
         self.world_size, self.rank = ds_comm.get_world_size(group), ds_comm.get_rank(group)
@@ -182,193 +142,57 @@ class ZeroOptimizer(State, OffloadStates, EngineCalls):
             tensor_parallel_rank, gradient_averaging_size, model_parallel_group, self.world_size)
         self.scaler = LossScaler(fp16_config) if policy.loss_scaling else None
         self.skipped_steps = 0
-        # parameters replicated over a subgroup of ``group`` (a param group's process_group): `_replicas`
-        holders, self._replica_groups = replica_holders(process_groups, group_of, group)
-        if self._replica_groups:
-            policy.check_replicas(refuse_replicas)
-            check_and_broadcast(model, params, holders, self._replica_groups, group, self.world_size, self.device)
-        else:
-            check_same_model(model, params, group, self.world_size, self.device)
-            broadcast_from_first_rank(model, group)
-        managed = {id(p) for p in params}
-        for p in model.parameters():  # built under Init: whole again, but stage 3's trainable and frozen ones
-            if is_init_partitioned(p) and (not policy.shard_params or (id(p) not in managed and p.requires_grad)):
-                unpartition(p)
-
-        bucket_size = min(self.config.reduce_bucket_size, OVERLAP_BUCKET_ELEMENTS)
-        params_on_nvme = policy.params_on_nvme
-        self._sharded: ShardedParams | None = None
-        if policy.shard_params:  # one bucket per fetch unit (a module's parameters), the flat buffer a partition
-            # parameters on NVMe: every shard starts on a 4 KiB boundary of the file (O_DIRECT reads), and the
-            # partition is never touched, so never in RAM (its storage is dropped below)
-            self._sharded = ShardedParams(model, params, config=self.config, group=group, dtype=self.dtype,
-                                          device=self.device, bucket_size=bucket_size,
-                                          align=4096 // self.dtype.itemsize if params_on_nvme else 1,
-                                          stepped_on_host=self.offload, on_disk=params_on_nvme)
-            self.layout = self._sharded.layout
-        else:
-            self.layout = FlatLayout([full_shape(p) for p in params], world_size=self.world_size,
-                                     bucket_size=bucket_size, holders=holders)
-        layout = self.layout
-        self._bucket_groups = [self._replica_groups.get(b.ranks, group) for b in layout.buckets]  # reduced over
-        self._shard_starts = layout.partition_offsets()
-        if policy.shard_params:  # the flat buffer is this rank's partition: ranges below are in it
-            self._owned = [(at, b.shard) for b, at in zip(layout.buckets, self._shard_starts, strict=True)]
-        else:
-            self._owned = [layout.shard_range(b, self.rank) if policy.shard_optimizer else (b.offset, b.padded) for b in layout.buckets]
-        self._flat = self._sharded.partition if self._sharded is not None else \
-            torch.zeros(layout.numel, dtype=self.dtype, device=self.device)
-        self._master = None  # a float32 master copy of what this rank steps, when the model is 16-bit
-        self._hooks: list[Any] = []  # removed by close()
-        # NVMe: the master copy is on disk; bf16 master weights: the bf16 partition is; ZeRO-Offload: on the host,
-        # float32 for a float32 model too (bf16 master weights: the host mirrors the partition), see _offload
-        self._host: HostOffload | None = None
-        master_numel = layout.shard_numel if policy.shard_optimizer else layout.numel
-        if self.offload:
-            self._host = HostOffload(self.device, master_numel, host_places(layout, policy.shard_optimizer, self._shard_starts),
-                                     dtype=self.dtype, master_dtype=None if offload_device == "nvme" else
-                                     self.dtype if self._bf16_master else torch.float32, mirror=self._bf16_master)
-            self._master = None if self._bf16_master else self._host.master
-        elif self.dtype != torch.float32 and not self._bf16_master:
-            self._master = torch.zeros(master_numel, dtype=torch.float32, device=self.device)
-        if offload_device == "nvme":
-            nvme = self.config.offload_optimizer
-            self._nvme = NvmeOptimizer(layout.shard_numel, sub_group_size=self.config.sub_group_size,
-                                       master=self.dtype != torch.float32, nvme_path=nvme.nvme_path, aio=aio,
-                                       rank=self.rank, pipeline_read=nvme.pipeline_read,
-                                       pipeline_write=nvme.pipeline_write,
-                                       param_dtype=self.dtype if params_on_nvme else None)
-        if self._sharded is not None:  # this rank's shards (and master copy), the parameters released
-            self._sharded.fill(master=self._master, clear_grads=True, on_disk=self._nvme.write_params
-                               if self._nvme is not None and self._nvme.param_dtype is not None else None)
-        else:
-            if self._master is not None:
-                fill_master(self._master, params, layout, self.rank, sharded=policy.shard_optimizer, dtype=self.dtype)
-            for p, slot in zip(params, layout.slots, strict=True):
-                view = self._flat[slot.offset:slot.offset + slot.numel].view(p.shape)
-                view.copy_(p.detach())
-                p.data = view
-                p.grad = None
-        if policy.cast_model:  # the rest of the model (frozen parameters, buffers) too
-            for tensor in [*model.parameters(), *model.buffers()]:
-                if tensor.is_floating_point() and tensor.dtype != self.dtype and not hasattr(tensor, "ds_init_store"):
-                    tensor.data = tensor.data.to(self.dtype)
-            if policy.auto_cast:
-                self._hooks.append(model.register_forward_pre_hook(cast_floating_inputs(self.dtype), with_kwargs=True))
-        self._stage3 = None if self._sharded is None else self._sharded.attach(  # (the master as it is then)
-            on_modified=lambda b, v: shard_modified(self._master, self._nvme, self._shard_starts, b, v),
-            shards=self._nvme if params_on_nvme else None)
-        frozen = partitioned_frozen(model, policy.shard_params, self.dtype, managed)  # stage 3: partitioned too (_frozen)
-        self._frozen = FrozenShards(model, frozen, self.config, group, self.dtype, self._stage3) if frozen else None
-        # the optimizer steps one tensor per run: a bucket's stepped range, split where the option group
-        # changes (one run per bucket without param_groups); (bucket, offset in the range, length, group)
-        self._runs = step_runs(layout, policy.shard_optimizer, self.rank, group_of)
-        self._group_of, self._group_count = group_of, len(group_options) if group_options is not None else 1
-        # where each parameter's pieces live (the master copy is laid out as the partition when it is one)
-        self._records = build_records(layout, params, self.rank, sharded=policy.shard_optimizer,
-                                      master_in_partition=policy.shard_optimizer and (
-                                          self._master is not None or policy.shard_params),
-                                      shard_starts=self._shard_starts, runs=self._runs, groups=self._bucket_groups)
-        # where each bucket's stepped part lives in the master copy (the flat buffer itself in float32)
-        if self._master is None or not policy.shard_optimizer:
-            in_master = self._owned
-        else:
-            in_master = [(at, b.shard) for b, at in zip(layout.buckets, self._shard_starts, strict=True)]
-        # stages 0-1: every .grad a view of one flat buffer, which backward accumulates into (`_grad_slots`)
-        self._grads = torch.zeros(layout.numel, dtype=self.dtype, device=self.device) if policy.whole_grads else None
-        self._slots = GradientSlots(model, params, layout, policy, self._grads)
-        self._partition = None
-        if not policy.shard_optimizer:
-            self._shard_grads = [self._grads[start:start + length] for start, length in self._owned]
-        else:  # stage 1 too: each reduction averages the whole local accumulation into the partition anew
-            self._partition = torch.zeros(layout.shard_numel, dtype=self.dtype, device=self.device)
-            self._shard_grads = [self._partition[at:at + b.shard] for b, at in zip(layout.buckets, self._shard_starts,
-                                                                                   strict=True)]
-        if self._host is not None:  # where each bucket's reduced gradients land, where its parameters are stepped
-            self._host.bind(list(self._shard_grads), [self._flat[at:at + n] for at, n in self._owned])
-        # per bucket above (what its reduction writes), per run below (what the optimizer steps)
-        self._step_grads = [self._shard_grads[b][at:at + n] for b, at, n, _ in self._runs]
-        in_master = [(in_master[b][0] + at, n) for b, at, n, _ in self._runs]
-        on_host = [(self._host.places[b][0] + at, n) for b, at, n, _ in self._runs] if self._host is not None else []
-        self._owned = [(self._owned[b][0] + at, n) for b, at, n, _ in self._runs]
+        holders, replica_groups = adopt_model(model, params, policy, process_groups, group_of, group, self.world_size,
+                                              self.device)  # the same model on every rank (`_replicas`)
+        self._buffers = buffers = ZeroBuffers(
+            model, params, policy, config=self.config, group=group, rank=self.rank, world_size=self.world_size,
+            device=self.device, holders=holders, replica_groups=replica_groups, group_of=group_of,
+            group_count=len(group_options) if group_options is not None else 1, managed={id(p) for p in params},
+            aio=aio)
+        self.layout = buffers.layout
+        self._hooks: list[Any] = [*buffers.hooks]  # removed by close()
+        self._slots = GradientSlots(model, params, self.layout, policy, buffers.grads)
         self._reducer = GradientReducer(
-            owner=self, model=model, layout=layout, policy=policy, params=params, grads=self._grads,
-            shard_grads=self._shard_grads, slots=self._slots, groups=self._bucket_groups,
+            owner=self, model=model, layout=self.layout, policy=policy, params=params, grads=buffers.grads,
+            shard_grads=buffers.shard_grads, slots=self._slots, groups=buffers.bucket_groups,
             averaging_size=self.gradient_averaging_size, accumulation_steps=gradient_accumulation_steps,
             device=self.device, ignore_unused=self.config.ignore_unused_parameters,
-            is_boundary=lambda: self.is_gradient_accumulation_boundary, trained_stage3=self._stage3,
-            frozen_stage3=self._frozen.stage3 if self._frozen is not None else None, host=self._host)
-        self._pieces = layout.pieces(self.rank)  # for the gradient norm at stages 1-2
-        master = self._flat if self._master is None else self._master
-        stepped = in_master
-        if self._host is not None and self._host.master is not None:  # ZeRO-Offload: the host's copy is stepped
-            master, stepped = self._host.master, on_host
-        self._step_params = [nn.Parameter(master[at:at + n], requires_grad=True) for at, n in stepped]
-        if group_options is None:
-            self.optimizer = optimizer(self._step_params, **(optimizer_kwargs or {}))
-        else:  # every group kept (empty where this rank steps none of it): the same groups on every rank
-            self.optimizer = optimizer([{**options, "params": [t for t, run in zip(self._step_params, self._runs,
-                                                                                   strict=True) if run[3] == g]}
-                                        for g, options in enumerate(group_options)], **(optimizer_kwargs or {}))
-        check_optimizer(self.optimizer, self.offload)
-        if self._bf16_master:
-            check_bf16_master_optimizer(self.optimizer, self.offload, self._bf16_optimizer_states)
-        # a 1-bit optimizer (ds_zero.onebit) averages what it needs itself: ZeRO reduces only on the steps it
-        # asks for (DeepSpeed's enable_backward_allreduce) and leaves the gradients local otherwise
-        self._compressed = isinstance(self.optimizer, CompressedOptimizer)
-        if self._compressed:
-            policy.check_compressed(type(self.optimizer).__name__, averaging_size=self.gradient_averaging_size,
-                                    world_size=self.world_size, replicated=bool(self._replica_groups))
-            self.optimizer.bind(group, caller_reduces=True)
-            mask_padding(self.optimizer, self._step_params, self._owned, layout)
+            is_boundary=lambda: self.is_gradient_accumulation_boundary, trained_stage3=buffers.stage3,
+            frozen_stage3=buffers.frozen_stage3, host=buffers.host)
+        self.optimizer = _build_optimizer(optimizer, optimizer_kwargs, buffers, group_options, group=group,
+                                          averaging_size=self.gradient_averaging_size, world_size=self.world_size)
+        self._compressed = isinstance(self.optimizer, CompressedOptimizer)  # 1-bit: see _build_optimizer
         self._next_reduction()
-        if self._nvme is not None:  # the parameters on NVMe are in their file already
-            self._nvme.initialize(None if params_on_nvme else self._flat)
-            if params_on_nvme:
-                self._flat.untyped_storage().resize_(0)
-        # the fused path: 16-bit models and CPU offload step Adam-family optimizers with ds_ops.adam_step
-        self._recipe = adam_recipe(self.optimizer) if (self._master is not None or self.offload) else None
-        self._copies = None if self._master is None else [self._flat[s:s + n] for s, n in self._owned]
-        self._master_grads = None  # float32 gradients for a non-Adam optimizer of a 16-bit model
-        if self._master is not None and self._recipe is None:
-            self._master_grads = torch.zeros_like(self._master, device=self._master.device)
-        # ZeRO-Offload: the CPU Adam reads the gradients copied to the host, writes the new parameters there
-        self._host_grads, self._host_copies = self._host.views(on_host) if self._host is not None else ([], None)
-        self._grad_views = step_grad_views(self._step_params, self._host_grads if self._host is not None else
-                                           self._step_grads, in_master, self._master_grads)
-        self._point_step_grads()
+        buffers.bind_optimizer(self.optimizer)
         self._zenflow = None  # `_zenflow`: its gradient hooks run before ZeRO's (which free the gradients)
         if self.config.zenflow is not None:
-            if self._recipe is None:
+            if buffers.recipe is None:
                 raise NotImplementedError(f"zero_optimization.zenflow steps Adam or AdamW; {type(self.optimizer).__name__} "
                                           f"is not implemented with it in ds-zero {version()}")
             self._zenflow = ZenFlow(self.config.zenflow, params, group_of, group, self.world_size, self.optimizer)
             self._hooks += self._zenflow.hooks
         self._master_step: MasterStep | None = master_step(
-            recipe=self._recipe, nvme=self._nvme, host=self._host, tensors=self._step_params, grads=self._step_grads,
-            host_grads=self._host_grads, host_copies=self._host_copies, copies=self._copies,
-            master_grads=self._master_grads, zenflow=self._zenflow)
-
+            recipe=buffers.recipe, nvme=buffers.nvme, host=buffers.host, tensors=buffers.step_params,
+            grads=buffers.step_grads, host_grads=buffers.host_grads, host_copies=buffers.host_copies,
+            copies=buffers.copies, master_grads=buffers.master_grads, zenflow=self._zenflow)
         link_parameters(self)  # each parameter finds its optimizer (ds_zero.safe_get_full_fp32_param & co)
         self._micro_step = 0
         self._boundary_override: bool | None = None  # set_gradient_accumulation_boundary's, None: counted
         self._last_step_was_boundary = True  # zero_grad zeroes only after a boundary's step
-        self._offloaded: dict[str, dict[int, torch.device]] = {}  # offload_states: state -> root -> its device
+        self._mover = StateMover(  # offload_states / reload_states
+            roots=lambda state: state_roots(buffers, self.optimizer, self._reduction_buffers, state),
+            views=lambda: state_views(buffers, self.optimizer), movable=movable_states(policy),
+            param_device=self.config.offload_param.device if self.config.offload_param is not None else None,
+            finish_in_flight=self._reducer.finish_in_flight)
         self._global_grad_norm: float | None = None
         self._closed = False
         if self.reduce_in_backward:
             self._hooks += [p.register_post_accumulate_grad_hook(self._reducer.on_gradient) for p in params]
 
-    def _point_step_grads(self) -> None:
-        """Each tensor the optimizer steps has its gradient slice as ``.grad`` (again: the client optimizer's
-        ``zero_grad()`` sets them to None, as DeepSpeed's ZeRO points them again at every step)."""
-        for tensor, grad in self._grad_views:
-            tensor.grad = grad
-
     @property
     def internals(self) -> ZeroInternals:
         """What this optimizer keeps to itself, for ds-zero's checkpoint and state access (`ZeroInternals`)."""
-        return _Internals(self)
+        return _Internals(self, self._buffers)
 
     @property
     def stage(self) -> int:
@@ -411,8 +235,8 @@ class ZeroOptimizer(State, OffloadStates, EngineCalls):
         if self.scaler is not None:
             loss = loss.float() * self.scaler.scale
         if self._zenflow is not None:
-            self._zenflow.before_backward(self._micro_step, lambda: master_from_model(self._host, self._step_params,
-                                                                                      self._host_copies))
+            self._zenflow.before_backward(self._micro_step, lambda: master_from_model(
+                self._buffers.host, self._buffers.step_params, self._buffers.host_copies))
         with GradientSlots.running(self):  # another optimizer's hooks firing in it know it is not theirs
             loss.backward(retain_graph=retain_graph)
         if self._zenflow is not None:
@@ -445,14 +269,15 @@ class ZeroOptimizer(State, OffloadStates, EngineCalls):
         self._reducer.wait_for_step()
         self._slots.check_at_step()  # what the step would not honour is refused by name (`_grad_slots`)
         self._reducer.accumulated = False  # the next backward starts the next accumulation
-        if self._host is not None:  # ZeRO-Offload: every gradient shard on the host
-            self._host.finish_downloads()
+        if self._buffers.host is not None:  # ZeRO-Offload: every gradient shard on the host
+            self._buffers.host.finish_downloads()
         self._reducer.wait_s += time.perf_counter() - waited
-        self._point_step_grads()
+        self._buffers.point_step_grads()
         scale = self.loss_scale
+        b = self._buffers
         norm = grad_norm(  # the same value on every rank
-            self._params, sharded=self.policy.shard_optimizer, layout=self.layout, rank=self.rank, pieces=self._pieces,
-            shard_grads=self._shard_grads, shard_starts=self._shard_starts, replicated=bool(self._replica_groups),
+            b.params, sharded=self.policy.shard_optimizer, layout=self.layout, rank=self.rank, pieces=b.pieces,
+            shard_grads=b.shard_grads, shard_starts=b.shard_starts, replicated=bool(b.replica_groups),
             group=self.group, model_parallel_group=self.model_parallel_group,
             tensor_parallel_rank=self.tensor_parallel_rank, dtype=self.dtype, device=self.device)
         if self.scaler is not None:
@@ -464,7 +289,7 @@ class ZeroOptimizer(State, OffloadStates, EngineCalls):
                 logger.warning("fp16: gradient overflow, step skipped (loss scale %g -> %g)", before, self.scaler.scale)
                 return False
             self.scaler.update(False)
-        elif self._check_overflow and not math.isfinite(float(norm)):
+        elif self.policy.check_overflow and not math.isfinite(float(norm)):
             self.skipped_steps += 1
             self._global_grad_norm = None
             logger.warning("bf16: a gradient is inf or NaN, step skipped (bf16.check_grad_overflow)")
@@ -472,7 +297,7 @@ class ZeroOptimizer(State, OffloadStates, EngineCalls):
         self._global_grad_norm = float(norm) / scale
         self._master_step.step(self.optimizer, norm, self._global_grad_norm, scale, self.gradient_clipping)
         self._next_reduction()  # (a 1-bit optimizer's step decides whether the next gradients are averaged)
-        self._refresh_parameters()
+        b.refresh_parameters()
         if self._zenflow is not None:
             self._zenflow.after_step()
         return True
@@ -483,14 +308,9 @@ class ZeroOptimizer(State, OffloadStates, EngineCalls):
         it: at stages 0-1 each ``.grad`` stays its (zeroed) view of ZeRO's buffer, at stages 2-3 it is None."""
         if not self._last_step_was_boundary:
             return
-        if self._grads is not None:
-            self._grads.zero_()
+        self._buffers.zero_grads()
+        if self._buffers.grads is not None:
             self._slots.point_at_views()  # a cleared or replaced .grad: its (zeroed) view again
-        if self._partition is not None:
-            self._partition.zero_()
-        if self.policy.shard_grads:
-            for p in self._params:
-                p.grad = None
 
     def close(self) -> None:
         """Detach from the model and free what ds-zero holds for training: the gradient hooks (and
@@ -501,26 +321,11 @@ class ZeroOptimizer(State, OffloadStates, EngineCalls):
         self._reducer.close()
         if self._zenflow is not None:  # its CPU step in flight
             self._zenflow.close()
-        if self._host is not None:
-            self._host.forget_downloads()
-        for stage3 in (self._stage3, self._frozen.stage3 if self._frozen is not None else None):
-            if stage3 is not None:  # every parameter whole again (a collective: every rank closes)
-                stage3.gather_all()
-        if self._nvme is not None:
-            self._nvme.close()
-            self._nvme = None
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
-        for p in self._params:
-            p.grad = None
-        for tensor in self._step_params:
-            tensor.grad = None
-        self.optimizer.state.clear()
-        self._grads = self._partition = self._master = self._master_grads = None
-        self._step_grads, self._copies = [], None
-        self._shard_grads, self._host_grads, self._host_copies, self._host = [], [], None, None
-        self._master_step, self._grad_views = None, []
+        self._buffers.close(self.optimizer)
+        self._master_step = None
         self._closed = True
 
     def get_global_grad_norm(self) -> float | None:
@@ -548,51 +353,188 @@ class ZeroOptimizer(State, OffloadStates, EngineCalls):
         """Seconds spent waiting for gradient reductions (the engine's "allreduce" timer)."""
         return self._reducer.wait_s
 
-    _bucket_buffers = property(lambda self: self._reducer.bucket_buffers)  # (read by tests)
-    _received = property(lambda self: self._reducer.received)
-
-    def _refresh_parameters(self) -> None:
-        """After the stepped part changed: every rank's shards into the parameters (stages 1-2), or
-        into the units gathered now (stage 3: the others are gathered when used)."""
-        if self._stage3 is not None:
-            self._stage3.after_step()
-        elif self.policy.shard_optimizer:
-            gather_buckets(self._flat, self.layout.buckets, self._bucket_groups)
+    def _reduction_buffers(self) -> list[torch.Tensor]:
+        return [*self._reducer.bucket_buffers, *self._reducer.received]
 
     def _next_reduction(self) -> None:  # whether the next accumulation is averaged (a 1-bit optimizer decides)
         if self._compressed:
             self._reducer.average_now = self.optimizer.wants_averaged_gradients()
 
+    # ---------------------------------------------------------------------------------------- state
+    def full_state_dict(self, *, rank0_only: bool = True) -> dict[str, torch.Tensor]:
+        """The model's ``state_dict()`` with every parameter whole, as copies in its training dtype
+        (stage 3 gathers one unit at a time: every rank calls it). With ``rank0_only`` the other ranks
+        get ``{}`` and hold no copy (``stage3_gather_16bit_weights_on_model_save``)."""
+        return full_state_dict(self.model, [self._buffers.stage3, self._buffers.frozen_stage3],
+                               keep=not rank0_only or self.rank == 0)
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds for the model's states, by kind: ``params`` (the flat parameters,
+        16-bit with fp16/bf16; at stage 3 this rank's partition plus the units gathered now),
+        ``grads`` (full at stages 0-1, this rank's partition at stages 2-3, plus
+        float32 copies for a non-Adam optimizer of a 16-bit model), ``master`` (the float32 copy of
+        what this rank steps; none in float32 training, where the parameters are the master, nor with
+        ``bf16.bf16_master_weights_and_grads``, where the bf16 parameters are),
+        ``optimizer`` (the optimizer's state tensors), and ``buffers`` (reusable reduction buffers; at stage 3
+        also released gather buffers kept for reuse)."""
+        return memory_bytes(self._buffers, self.optimizer, self._reduction_buffers())
+
+    def _identity(self) -> dict[str, Any]:
+        return identity(stage=self.stage, world_size=self.world_size, rank=self.rank, precision=self.precision,
+                        layout=self.layout)
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's part: the optimizer's state over its shards, the float32 master copy (16-bit
+        models), the loss scaler (fp16), what it was laid out for, and at stage 3 this rank's shards of
+        the parameters (the model's own ``state_dict()`` holds empty tensors there)."""
+        return rank_state(self._identity(), self._buffers, self.optimizer, self.scaler, micro_step=self._micro_step,
+                          skipped_steps=self.skipped_steps)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load a `state_dict` saved by the same rank of the same layout (loading on another world
+        size or stage is the checkpoint issue's reshaping). Every rank calls it: with a master copy
+        the parameters are set from it and gathered (at stage 3, from the shards in the state)."""
+        load_rank_state(state, self._identity(), self._buffers, self.optimizer, self.scaler,
+                        optimizer_loaded=self._next_reduction, set_counters=self._set_counters)
+        if needs_refresh(self._buffers):
+            self._buffers.refresh_parameters()
+
+    def _set_counters(self, micro_step: int, skipped_steps: int) -> None:
+        self._micro_step, self.skipped_steps = micro_step, skipped_steps
+
+    # ------------------------------------------------------------------------------- offload states
+    def offload_states(self, include: Iterable[OffloadStateTypeEnum] | None = None,
+                       device: OffloadDeviceEnum = OffloadDeviceEnum.cpu, pin_memory: bool = True,
+                       non_blocking: bool = False) -> None:
+        """Move the states in ``include`` (default: all; see `OffloadStateTypeEnum`) to ``device`` (the
+        host: ``OffloadDeviceEnum.cpu``; ``none`` does nothing, ``nvme`` is refused, as in DeepSpeed), into
+        pinned memory with ``pin_memory``. Call it between (micro-)steps; `reload_states`
+        brings them back. A state already offloaded, or already on the host, is not moved again. Gradient
+        reductions still in flight (stages 2-3 between micro-steps) are completed first (`_offload_states`)."""
+        self._mover.offload(include, device, pin_memory=pin_memory, non_blocking=non_blocking, closed=self._closed)
+
+    def reload_states(self, non_blocking: bool = False) -> None:
+        """Move every state `offload_states` moved back to the device it came from."""
+        self._mover.reload(non_blocking=non_blocking, closed=self._closed)
+
+    @property
+    def offloaded_states(self) -> set[OffloadStateTypeEnum]:
+        """The states `offload_states` moved and `reload_states` has not brought back."""
+        return set(self._mover.offloaded)
+
+    # --------------------------------------------------------------------------------- engine calls
+    @property
+    def fp16_groups(self) -> list[list]:
+        """The model's parameters this optimizer trains, one list per parameter group in the groups'
+        order (DeepSpeed's ZeRO optimizers' ``fp16_groups``/``bit16_groups``: the parameters whatever their
+        dtype; at stage 3 they are the partitioned parameters, made whole by `GatheredParameters`).
+        Read-only: a new list each time."""
+        return grouped(self._buffers.params, self._buffers.group_of, self._buffers.group_count)
+
+    @property
+    def bit16_groups(self) -> list[list]:
+        """`fp16_groups` under DeepSpeed's other name (ZeRO-1/2)."""
+        return self.fp16_groups
+
+    @property
+    def nccl_start_alignment_factor(self) -> int:
+        """The number of elements each rank's partition of a bucket is a multiple of, so that every
+        partition starts at a multiple of it (DeepSpeed's ZeRO-1/2: 2, four bytes of fp16; ds-zero: 1,
+        or a 4 KiB page of elements for stage 3's parameters on NVMe)."""
+        return self.layout.align
+
+    def set_gradient_accumulation_steps(self, steps: int) -> None:
+        """Accumulate ``steps`` micro-steps per optimizer step from the next accumulation on. Only at an
+        accumulation's start (between a boundary's step and the next backward): a RuntimeError otherwise."""
+        self.gradient_accumulation_steps = check_accumulation_steps(
+            steps, reduce_in_backward=self.reduce_in_backward, accumulating=not self._last_step_was_boundary or
+            self._reducer.accumulated or self._reducer.fired)
+        self._micro_step = 0  # the next micro-step starts an accumulation of the new length
+
+    def refresh_fp32_params(self) -> None:
+        """Take the float32 master copy again from the model's parameters (DeepSpeed's name), after
+        something wrote them directly (``model.load_state_dict``): otherwise the next step would put the
+        master copy's values back. Nothing to do in float32 (the parameters are the master copy) or at
+        stage 3 (`GatheredParameters` with a ``modifier_rank`` updates it)."""
+        refresh_master(self._buffers)
+
+    def empty_partition_cache(self) -> None:
+        """Stage 3: release every gathered parameter not persistent or in use, and the pooled gather
+        buffers (DeepSpeed's name); they are gathered again when used. Nothing at stages 0-2."""
+        empty_partition_cache(self._buffers.stage3, self._buffers.frozen_stage3)
+
+    # read-only views of the parts, for tests written against the mixins' attributes
+    _params = property(lambda self: self._buffers.params)
+    _flat = property(lambda self: self._buffers.flat)
+    _master = property(lambda self: self._buffers.master)
+    _grads = property(lambda self: self._buffers.grads)
+    _partition = property(lambda self: self._buffers.partition)
+    _shard_grads = property(lambda self: self._buffers.shard_grads)
+    _shard_starts = property(lambda self: self._buffers.shard_starts)
+    _step_params = property(lambda self: self._buffers.step_params)
+    _host = property(lambda self: self._buffers.host)
+    _nvme = property(lambda self: self._buffers.nvme)
+    _stage3 = property(lambda self: self._buffers.stage3)
+    _frozen = property(lambda self: self._buffers.frozen)
+    _bucket_buffers = property(lambda self: self._reducer.bucket_buffers)
+    _received = property(lambda self: self._reducer.received)
+
+
+def _build_optimizer(optimizer: Any, optimizer_kwargs: dict[str, Any] | None, buffers: ZeroBuffers,
+                     group_options: list[dict[str, Any]] | None, *, group: Any, averaging_size: int,
+                     world_size: int) -> Any:
+    """``optimizer`` over the tensors ``buffers`` steps (one per run); with ``group_options`` every group kept
+    (empty where this rank steps none of it): the same groups on every rank. What the policy cannot step with
+    it is refused."""
+    tensors, policy = buffers.step_params, buffers.policy
+    if group_options is None:
+        built = optimizer(tensors, **(optimizer_kwargs or {}))
+    else:
+        built = optimizer([{**options, "params": [t for t, run in zip(tensors, buffers.runs, strict=True)
+                                                  if run[3] == g]} for g, options in enumerate(group_options)],
+                          **(optimizer_kwargs or {}))
+    check_optimizer(built, policy.offload)
+    if policy.bf16_master:
+        check_bf16_master_optimizer(built, policy.offload, policy.bf16_optimizer_states)
+    # a 1-bit optimizer (ds_zero.onebit) averages what it needs itself: ZeRO reduces only on the steps it
+    # asks for (DeepSpeed's enable_backward_allreduce) and leaves the gradients local otherwise
+    if isinstance(built, CompressedOptimizer):
+        policy.check_compressed(type(built).__name__, averaging_size=averaging_size, world_size=world_size,
+                                replicated=bool(buffers.replica_groups))
+        built.bind(group, caller_reduces=True)
+        mask_padding(built, tensors, buffers.owned, buffers.layout)
+    return built
+
 
 class _Internals:
     """`ZeroInternals` over one `ZeroOptimizer` (a view: it reads the optimizer's current parts)."""
 
-    __slots__ = ("_zero",)
+    __slots__ = ("_buffers", "_zero")
 
-    def __init__(self, zero: ZeroOptimizer):
-        self._zero = zero
+    def __init__(self, zero: ZeroOptimizer, buffers: ZeroBuffers):
+        self._zero, self._buffers = zero, buffers
 
-    records = property(lambda self: self._zero._records)
-    step_tensors = property(lambda self: self._zero._step_params)
-    flat = property(lambda self: self._zero._flat)
-    nvme = property(lambda self: self._zero._nvme)
-    host = property(lambda self: self._zero._host)
-    frozen = property(lambda self: self._zero._frozen)
-    recipe = property(lambda self: self._zero._recipe)
-    replica_groups = property(lambda self: self._zero._replica_groups)
+    records = property(lambda self: self._buffers.records)
+    step_tensors = property(lambda self: self._buffers.step_params)
+    flat = property(lambda self: self._buffers.flat)
+    nvme = property(lambda self: self._buffers.nvme)
+    host = property(lambda self: self._buffers.host)
+    frozen = property(lambda self: self._buffers.frozen)
+    recipe = property(lambda self: self._buffers.recipe)
+    replica_groups = property(lambda self: self._buffers.replica_groups)
     closed = property(lambda self: self._zero._closed)
     accumulated = property(lambda self: self._zero._reducer.accumulated)
     boundary_reduced = property(lambda self: self._zero._reducer.boundary_reduced)
-    grad_buffer = property(lambda self: self._zero._grads)
-    grad_partition = property(lambda self: self._zero._partition)
+    grad_buffer = property(lambda self: self._buffers.grads)
+    grad_partition = property(lambda self: self._buffers.partition)
 
     @property
     def master(self) -> torch.Tensor:
-        return self._zero._flat if self._zero._master is None else self._zero._master
+        return self._buffers.flat if self._buffers.master is None else self._buffers.master
 
     @property
     def has_master_copy(self) -> bool:
-        return self._zero._master is not None
+        return self._buffers.master is not None
 
     @property
     def micro_step(self) -> int:
@@ -606,17 +548,11 @@ class _Internals:
         self._zero.wait_reductions()
 
     def gradients_changed(self) -> None:
-        if self._zero._host is not None:
-            self._zero._host.forget_downloads()
+        if self._buffers.host is not None:
+            self._buffers.host.forget_downloads()
 
     def master_loaded(self) -> None:
-        zero = self._zero
-        if zero._master is not None:
-            for copy, tensor in zip(zero._copies, zero._step_params, strict=True):
-                copy.copy_(tensor.detach())
-        if zero._nvme is not None and zero._nvme.master:  # 16-bit parameters from the master copy on disk
-            zero._nvme.params_from_master(zero._flat if zero._nvme.param_dtype is None else None)
-        zero._refresh_parameters()
+        self._buffers.master_loaded()
 
     def next_reduction(self) -> None:
         self._zero._next_reduction()

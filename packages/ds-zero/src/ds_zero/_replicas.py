@@ -19,7 +19,15 @@ from torch import nn
 
 import ds_comm
 
-from ._model import broadcast_from_first_rank, check_same_model, version
+from ._groups import option_groups
+from ._model import (
+    broadcast_from_first_rank,
+    check_same_model,
+    is_init_partitioned,
+    trainable,
+    unpartition,
+    version,
+)
 
 KEY = "process_group"
 # keys of a parameter group that describe how the run groups its parameters, not the optimizer's options
@@ -118,3 +126,38 @@ def check_model_parallel(tensor_parallel_rank: Any, averaging_size: Any, model_p
         raise ValueError(f"ZeroOptimizer: gradient_averaging_size must be an integer >= 1 or None, got "
                          f"{averaging_size!r}")
     return tensor_parallel_rank, averaging_size
+
+
+def trained_params(model: nn.Module, param_groups: Any, policy: Any
+                   ) -> tuple[list[nn.Parameter], list[int], list[dict[str, Any]] | None, list[Any]]:
+    """The parameters ZeRO trains (``model``'s trainable ones, less those in none of ``param_groups``), each
+    one's group, the groups' options less their ``process_group`` and the process groups named (`option_groups`,
+    `split_process_groups`); ``policy`` (a `ZeroPolicy`) refuses what it cannot train."""
+    params = trainable(model)
+    group_of, group_options = option_groups(param_groups, model, params)
+    if None in group_of:  # in no group: not optimized, held as a frozen parameter is
+        params = [p for p, g in zip(params, group_of, strict=True) if g is not None]
+        group_of = [g for g in group_of if g is not None]
+    group_options, process_groups = split_process_groups(group_options)
+    policy.check_params(model, params)
+    return params, group_of, group_options, process_groups
+
+
+def adopt_model(model: nn.Module, params: list[nn.Parameter], policy: Any, process_groups: list[Any],
+                group_of: list[int], group: Any, world_size: int, device: torch.device
+                ) -> tuple[list[tuple[int, ...] | None], dict[tuple[int, ...], Any]]:
+    """The model checked to be the same on every rank (within each replica group) and broadcast from the
+    first, and parameters built under ``Init`` made whole again where ZeRO does not partition them (all but
+    stage 3's trained and frozen ones); returns each parameter's holders and the replica groups."""
+    holders, replica_groups = replica_holders(process_groups, group_of, group)
+    if replica_groups:
+        policy.check_replicas(refuse_replicas)
+        check_and_broadcast(model, params, holders, replica_groups, group, world_size, device)
+    else:
+        check_same_model(model, params, group, world_size, device)
+        broadcast_from_first_rank(model, group)
+    managed = {id(p) for p in params}
+    for p in model.parameters():  # built under Init: whole again, but stage 3's trainable and frozen ones
+        if is_init_partitioned(p) and (not policy.shard_params or (id(p) not in managed and p.requires_grad)):
+            unpartition(p)
+    return holders, replica_groups

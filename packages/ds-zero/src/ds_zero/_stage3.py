@@ -385,8 +385,8 @@ class Stage3:
         return free.pop() if free else torch.empty(numel, dtype=self.dtype, device=self.device)
 
     def _recycle(self, full: torch.Tensor) -> None:
-        """Keep a released buffer for reuse, only if nothing else holds a view of it (a tensor of the
-        user's, or one autograd saved outside our hooks): that view keeps its values."""
+        """Keep a released buffer for reuse only if no other tensor shares its storage (a user's, one autograd
+        saved): it keeps its values. Torch has no public query for that (getrefcount, weakref see Python objects)."""
         try:
             alone = torch._C._storage_Use_Count(full.untyped_storage()._cdata) <= 2  # `full` and this query
         except (AttributeError, RuntimeError):  # a torch without the query: never reuse
