@@ -118,3 +118,37 @@ def test_ranks_that_part_in_a_trusted_forward_fail_at_once_naming_the_modules(la
     assert messages[0] == messages[1], messages
     assert (f"(rank 0: the end of the forward; rank 1: the parameters of 'layers.{layers - 1}' (forward))"
             in messages[0]), messages
+
+
+def after_a_new_process_group(rank, world_size):
+    """Stage 3 in a process group, that group destroyed and a new one made (as a script running two jobs, or
+    a test harness, does): the path check's groups of the first are not used in the second."""
+    import os
+
+    import torch.distributed as dist
+
+    losses = []
+    for run in range(2):
+        if run:
+            dist.destroy_process_group()
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{os.environ['DS_TEST_SECOND_PORT']}",
+                                    rank=rank, world_size=world_size)
+        torch.manual_seed(0)
+        model = Deep(3)
+        zero = ZeroOptimizer(model, torch.optim.SGD, optimizer_kwargs={"lr": 0.1}, config=CONFIG)
+        for step in range(2):
+            loss = model(_x(rank, step))
+            zero.backward(loss)
+            zero.step()
+            zero.zero_grad()
+        losses.append(loss.item())
+        zero.close()
+    return losses
+
+
+def test_a_new_process_group_gets_new_check_groups(monkeypatch):
+    from ds_comm.testing import free_port
+
+    monkeypatch.setenv("DS_TEST_SECOND_PORT", str(free_port()))
+    for rank, (first, second) in enumerate(spawn(after_a_new_process_group, world_size=2)):
+        assert first == second, rank  # each rank's run, the same in both process groups

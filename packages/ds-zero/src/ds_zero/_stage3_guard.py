@@ -309,6 +309,18 @@ _check_groups: dict[tuple[int, ...], Any] = {}  # ranks -> the check group (also
 _everyone: list[Any] = []  # a gloo group of every rank, to learn each rank's data group (cleared with the world)
 
 
+def _registered(group) -> bool:
+    """Whether ``group`` belongs to the process group now running (torch's public lookup of a group's
+    ranks knows only those; one made before ``destroy_process_group`` and a new init is not among them)."""
+    import torch.distributed as dist
+
+    try:
+        dist.get_process_group_ranks(group)
+    except (KeyError, ValueError, RuntimeError):
+        return False
+    return True
+
+
 def check_group(group: Any) -> Any:
     """A process group of ``group``'s ranks for the path checks alone. On the data group a check
     would queue behind the gathers and reductions in flight (gloo runs a group's collectives in
@@ -324,7 +336,7 @@ def check_group(group: Any) -> Any:
 
     world = dist.get_world_size()
     mine = tuple(sorted(dist.get_process_group_ranks(group))) if group is not None else tuple(range(world))
-    if not _everyone or _everyone[0] not in dist.distributed_c10d._world.pg_map:
+    if not _everyone or not _registered(_everyone[0]):
         _check_groups.clear()  # none yet, or made before the process group was destroyed and made again
         _everyone[:] = [ds_comm.new_group(list(range(world)), backend="gloo")]
     member = torch.zeros(world, dtype=torch.int32, device="cpu")  # host tensors: the group is gloo
