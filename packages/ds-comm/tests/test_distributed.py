@@ -304,6 +304,30 @@ def test_a_group_made_again_on_the_same_port_pairs_its_own_ranks(rank_zero_late)
                  timeout=60) == [cycles, cycles]
 
 
+def test_a_server_closing_while_a_rank_joins_it_is_left_for_the_new_one(monkeypatch):
+    """CI, stop 50: rank 1 reached rank 0's previous server, which closed inside torch's TCPStore
+    constructor (before any wait): DistNetworkError out of `init_distributed`. Joining is retried too."""
+    from datetime import timedelta
+
+    from ds_comm import distributed
+
+    calls = []
+
+    def rendezvous(init_method, rank, world_size, timeout):
+        calls.append(rank)
+        if len(calls) < 3:  # the old server closes under the first two attempts
+            raise torch.distributed.DistNetworkError("Failed to recv, got 0 bytes. Connection was likely closed.")
+        store = torch.distributed.HashStore()
+        store.set(f"ds_comm/generation/{distributed._generation}", "1")  # rank 0 announced this generation
+        yield store, rank, world_size
+
+    monkeypatch.setattr(distributed, "_rendezvous", rendezvous)
+    store = distributed._generation_store("env://", 1, 2, timedelta(seconds=5))
+    assert calls == [1, 1, 1]
+    store.set("k", "v")
+    assert store.get("k") == b"v"
+
+
 def _launcher_variables(rank: int, world_size: int) -> dict:
     import os
 

@@ -137,21 +137,25 @@ def _generation_store(init_method: str, rank: int, world_size: int, timeout: tim
     generation's context while the peer waits for it: a hang in `init_process_group` or in the first
     collective. Here each generation's keys live under their own prefix, and the other ranks wait
     until rank 0 has announced this generation on the server they reached: one that closes under them
-    (rank 0 was still tearing the previous group down) is left for a fresh connection."""
+    (rank 0 was still tearing the previous group down), while they join it or while they wait, is
+    left for a fresh connection."""
     global _generation
     _generation += 1
     announced = f"ds_comm/generation/{_generation}"
     deadline = time.monotonic() + timeout.total_seconds()
     while True:
-        store, _, _ = next(_rendezvous(init_method, rank, world_size, timeout=timeout))
-        store.set_timeout(timeout)
         if rank == 0:
+            store, _, _ = next(_rendezvous(init_method, rank, world_size, timeout=timeout))
+            store.set_timeout(timeout)
             store.set(announced, "1")
             break
-        try:
+        store = None
+        try:  # the previous generation's server can close under any step: joining it or waiting on it
+            store, _, _ = next(_rendezvous(init_method, rank, world_size, timeout=timeout))
+            store.set_timeout(timeout)
             store.wait([announced])
             break
-        except dist.DistNetworkError:  # the previous generation's server, closed by rank 0 meanwhile
+        except dist.DistNetworkError:  # closed by rank 0 meanwhile: reach the new one afresh
             if time.monotonic() >= deadline:
                 raise
             del store
