@@ -59,6 +59,19 @@ def test_quantized_all_gather_is_the_all_gather_within_half_a_step(bits, dtype):
         assert records["all_gather_into_tensor"] == (4 * n * element, 1, 2 * n * element)
 
 
+def async_all_gather_case(rank, world, n):
+    full = torch.zeros(world * n)
+    full[rank * n:(rank + 1) * n] = data(rank, n)  # this rank's shard in its place, as ZeRO-3's buffers hold it
+    expected = ds_comm.quantized_all_gather(data(rank, n), group_size=16)
+    work = ds_comm.quantized_all_gather(full[rank * n:(rank + 1) * n], group_size=16, out=full, async_op=True)
+    assert work.wait() is not False
+    return torch.equal(full, expected), work.is_completed()
+
+
+def test_an_async_quantized_all_gather_writes_out_at_its_wait_from_a_shard_inside_out():
+    assert spawn(async_all_gather_case, world_size=2, args=(37,)) == [(True, True)] * 2
+
+
 def reduce_scatter_case(rank, world, n, bits, op):
     ds_comm.configure(enabled=True, prof_all=True)
     groups = ds_comm.HierarchicalGroups()

@@ -187,6 +187,9 @@ class Config(Section):
             raise ValueError("fp16.enabled and bf16.enabled are both true; enable one of them")
         self._refuse_what_is_not_built()
         stage = self.zero_optimization.stage
+        if self.torch_autocast.enabled and self.zero_optimization.zero_quantized_weights:  # DeepSpeed's assert
+            raise ValueError("torch_autocast.enabled and zero_optimization.zero_quantized_weights are both true: "
+                             "DeepSpeed cannot enable both torch autocast and zero quantized weights; turn one off")
         if self.bf16.bf16_master_weights_and_grads and stage == 0:
             raise ValueError("bf16.bf16_master_weights_and_grads needs zero_optimization.stage 1, 2 or 3 (as in "
                              "DeepSpeed), got 0")

@@ -60,11 +60,13 @@ def frame_bytes(numel: int, group_size: int, bits: int) -> int:
 
 
 def quantized_all_gather(shard: torch.Tensor, group=None, *, group_size: int = DEFAULT_GROUP_SIZE, bits: int = 8,
-                         out: torch.Tensor | None = None) -> torch.Tensor:
+                         out: torch.Tensor | None = None, async_op: bool = False):
     """Every rank's ``shard`` (float32, float16 or bfloat16; the same size on every rank), gathered in
     rank order into ``out`` (``world * numel`` elements of ``shard``'s dtype; a new flat tensor by
     default), through ``bits``-bit block quantization: each shard's values come back dequantized, this
-    rank's own too (all ranks hold the same bytes)."""
+    rank's own too (all ranks hold the same bytes). Returns ``out``; with ``async_op`` a work handle
+    instead, whose ``wait()`` completes the exchange and writes ``out`` (``shard`` is read before this
+    returns, so it may be a view of ``out``)."""
     _require_usable("quantized_all_gather")
     _check_float("quantized_all_gather", shard, "shard")
     _check_quant("quantized_all_gather", group_size, bits)
@@ -78,12 +80,18 @@ def quantized_all_gather(shard: torch.Tensor, group=None, *, group_size: int = D
     mine = torch.zeros(frame, dtype=torch.uint8, device=shard.device)
     _pack(mine, *_quantize(shard.reshape(-1), group_size, bits))
     gathered = torch.empty(world * frame, dtype=torch.uint8, device=shard.device)
-    _issue("quantized_all_gather", gathered.numel(), group, (gathered, mine),
-           lambda a: _all_gather(gathered, mine, group, a), False)
-    flat = out.view(-1)
-    for r, received in enumerate(gathered.view(world, frame)):
-        q, scales = _unpack(received, n, group_size, bits)
-        flat[r * n:(r + 1) * n] = _dequantize(q, scales, n, group_size, bits, out.dtype)
+    work = _issue("quantized_all_gather", gathered.numel(), group, (gathered, mine),
+                  lambda a: _all_gather(gathered, mine, group, a), async_op)
+
+    def dequantize() -> None:
+        flat = out.view(-1)
+        for r, received in enumerate(gathered.view(world, frame)):
+            q, scales = _unpack(received, n, group_size, bits)
+            flat[r * n:(r + 1) * n] = _dequantize(q, scales, n, group_size, bits, out.dtype)
+
+    if async_op:
+        return _ThenWork(work, dequantize)
+    dequantize()
     return out
 
 
@@ -140,6 +148,27 @@ def quantized_reduce_scatter(tensor: torch.Tensor, groups: HierarchicalGroups, *
     if op == ReduceOp.AVG:
         result = result / world
     return result.to(tensor.dtype)
+
+
+class _ThenWork:
+    """An async exchange's handle whose first completed ``wait()`` also runs ``then`` (the
+    dequantization into the caller's buffer); anything else goes to the backend's work."""
+
+    def __init__(self, work, then):
+        self._work, self._then = work, then
+
+    def wait(self, *args, **kwargs):
+        result = self._work.wait(*args, **kwargs)
+        if self._then is not None:
+            then, self._then = self._then, None
+            then()
+        return result
+
+    def is_completed(self) -> bool:
+        return self._work.is_completed()
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
 
 
 # ---- frames -------------------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from ._policy import ZeroPolicy
 from ._precision import adam_recipe, cast_floating_inputs
 from ._records import build_records
 from ._sharded import ShardedParams
+from ._zeropp import UnitGathers
 
 # Buckets hold at most this many elements, whatever reduce_bucket_size allows (DeepSpeed's default,
 # 5e8, makes one bucket of a model below 500M parameters: its reduction cannot start before backward
@@ -79,7 +80,8 @@ class ZeroBuffers:
         self._fill(model, params, policy)
         self.stage3 = None if self.sharded is None else self.sharded.attach(  # (the master as it is then)
             on_modified=lambda b, v: shard_modified(self.master, self.nvme, self.shard_starts, b, v),
-            shards=self.nvme if on_disk else None)
+            shards=self.nvme if on_disk else None,
+            gatherer=UnitGathers(group, quantized=policy.zeropp.quantized_weights, hpz=policy.zeropp.hpz_partition_size))
         frozen = partitioned_frozen(model, policy.shard_params, dtype, managed)  # stage 3: partitioned too (_frozen)
         self.frozen = FrozenShards(model, frozen, config, group, dtype, self.stage3) if frozen else None
         # the optimizer steps one tensor per run: a bucket's stepped range, split where the option group

@@ -7,9 +7,7 @@ from .config import ZeroConfig
 
 # Keys of zero_optimization this version accepts but cannot honour yet, and why.
 _NOT_YET = {
-    "zero_quantized_weights": (False, "ZeRO++ quantized weights"),
-    "zero_quantized_nontrainable_weights": (False, "ZeRO++ quantized weights"),
-    "zero_quantized_gradients": (False, "ZeRO++ quantized gradients"),
+    "zero_quantized_nontrainable_weights": (False, "ZeRO++ quantized frozen weights, MixZ++"),
     "mics_shard_size": (-1, "MiCS"),
     "mics_hierarchical_params_gather": (False, "MiCS"),
     "legacy_stage1": (False, "DeepSpeed's legacy stage 1"),
@@ -27,10 +25,6 @@ def refuse_what_is_not_built(config: ZeroConfig) -> None:
     if offload is not None and offload.device == "cpu" and offload.ratio != 1.0:
         raise NotImplementedError(f"zero_optimization.offload_optimizer.ratio {offload.ratio:g} (partial offload) "
                                   f"is not implemented in ds-zero {version()}; use 1.0")
-    if config.zero_hpz_partition_size > 1:
-        raise NotImplementedError(f"zero_optimization.zero_hpz_partition_size {config.zero_hpz_partition_size} "
-                                  "(ZeRO++ hierarchical partitioning) is not implemented in ds-zero; remove it or "
-                                  "set it to 1")
     if offload is not None and offload.super_offload:
         raise NotImplementedError("zero_optimization.offload_optimizer.super_offload (DeepSpeed's SuperOffload for "
                                   f"Superchips) is not implemented in ds-zero {version()}; remove it or set it to "

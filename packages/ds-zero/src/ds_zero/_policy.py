@@ -24,7 +24,7 @@ copy beside the 16-bit model), ``"host"`` (ZeRO-Offload's CPU copy) or ``"nvme"`
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -37,6 +37,7 @@ from ._not_built import refuse_what_is_not_built
 from ._precision import BF16_MASTER, DTYPES, communication_dtype
 from ._replicas import refuse_replicas
 from ._zenflow import check_zenflow
+from ._zeropp import ZeroPlusPlus, zeropp_of
 from .config import BF16Config, FP16Config, ZeroConfig, mixed_precision
 
 
@@ -88,6 +89,7 @@ class ZeroPolicy:
     cast_model: bool  # the model's other floating-point tensors become ``dtype`` too (a section asked for it)
     auto_cast: bool  # fp16.auto_cast: the forward's floating-point inputs are cast
     reduce_in_backward: bool
+    zeropp: ZeroPlusPlus = field(default_factory=ZeroPlusPlus)  # ZeRO++'s keys as they apply (stage 3 only)
 
     # ------------------------------------------------------------------------------------ derived
     @property
@@ -215,7 +217,8 @@ def resolve(model: Any, optimizer: Any, config: Any, fp16: Any, bf16: Any, commu
         loss_scaling=precision == "fp16" and not direct,
         check_overflow=precision == "bf16" and bool(bf16_config.check_grad_overflow), bf16_master=bf16_master,
         bf16_optimizer_states=bf16_states, cast_model=dtype != torch.float32 and not implied,
-        auto_cast=bool(fp16_config.auto_cast) and precision == "fp16", reduce_in_backward=bool(reduce_in_backward))
+        auto_cast=bool(fp16_config.auto_cast) and precision == "fp16", reduce_in_backward=bool(reduce_in_backward),
+        zeropp=zeropp_of(zero_config, shards.params))
     if isinstance(optimizer, type) and issubclass(optimizer, CompressedOptimizer):
         policy.check_compressed(optimizer.__name__)  # before the model is touched
     return policy, zero_config, fp16_config, gradient_accumulation_steps

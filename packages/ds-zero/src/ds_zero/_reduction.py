@@ -18,6 +18,7 @@ from ._collectives import start_bucket_reduction
 from ._grad_slots import GradientSlots
 from ._model import param_name
 from ._stage3_guard import REDUCTION
+from ._zeropp import quantized_reduction
 
 logger = logging.getLogger("ds_zero._optimizer")
 
@@ -66,6 +67,9 @@ class GradientReducer:
         self.wait_s = 0.0  # seconds spent waiting for reductions (the engine's "allreduce" timer)
         self._callback_queued = False
         self._foreign_pass = False  # the backward now running is another optimizer's (stages 2-3: held)
+        # stage 3 with qgZ: the reduce-scatter is ZeRO++'s quantized hierarchical one (`_zeropp`)
+        self.quantized = quantized_reduction(groups[0]) if trained_stage3 is not None and \
+            policy.zeropp.quantized_gradients else None
 
     # ------------------------------------------------------------------------------ during backward
     def on_gradient(self, param: torch.Tensor) -> None:
@@ -188,11 +192,12 @@ class GradientReducer:
         if self.trained_stage3 is None:
             return start_bucket_reduction(buffer, out, group=group)
 
-        def start(scratch: bool) -> Any:
+        reduce = self.quantized or (lambda source, into: start_bucket_reduction(source, into, group=group))
+
+        def start(scratch: bool) -> Any:  # (stage 3: ``out`` is this rank's shard)
             if scratch:
-                scratch_out = None if out is None else torch.empty_like(out, device=out.device)
-                return start_bucket_reduction(torch.zeros_like(buffer, device=buffer.device), scratch_out, group=group)
-            return start_bucket_reduction(buffer, out, group=group)
+                return reduce(torch.zeros_like(buffer, device=buffer.device), torch.empty_like(out, device=out.device))
+            return reduce(buffer, out)
 
         guard = self.trained_stage3.guard  # a collective of its log; its wait watches the path (`PathGuard`)
         guard.issuing(REDUCTION - b, lambda: start(True))

@@ -80,12 +80,13 @@ class ShardedParams:
                 forget_init_partition(self.params[index])
 
     def attach(self, *, on_modified: Callable[[int, torch.Tensor], None] | None = None, shards: Any = None,
-               stage3_class: type[Stage3] = Stage3) -> Stage3:
+               stage3_class: type[Stage3] = Stage3, gatherer: Any = None) -> Stage3:
         """The `Stage3` hooks over the filled partition (``shards``: where the shards are read and written when
-        not in the partition: NVMe; ``on_modified``: a unit's shard changed under `GatheredParameters`)."""
+        not in the partition: NVMe; ``on_modified``: a unit's shard changed under `GatheredParameters`;
+        ``gatherer``: how units are gathered, `_zeropp.UnitGathers`, exact by default)."""
         self.stage3 = stage3_class(self.model, self.params, self.layout, self._unit_names, self._hooked,
                                    self.partition, self.shard_starts, self.config, self.group,
-                                   on_modified or _nothing, shards=shards)
+                                   on_modified or _nothing, shards=shards, gatherer=gatherer)
         for unit in self.stage3.units:  # DeepSpeed's flag: whole on every rank throughout training
             for p in unit.params:
                 p.ds_persist = unit.persistent

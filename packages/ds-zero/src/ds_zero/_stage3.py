@@ -44,9 +44,11 @@ import ds_comm
 
 from ._layout import Bucket, FlatLayout
 from ._params import ZeroParamStatus, forget, give_id, install, set_shard, uninstall
+from ._pool import GatherPool
 from ._stage3_guard import END_OF_BACKWARD, END_OF_FORWARD, PathGuard
 from ._stage3_offload import ShardMover, offload_param_device
 from ._units import plan_units, tensors_in  # noqa: F401  (plan_units: imported from here)
+from ._zeropp import UnitGathers
 
 logger = logging.getLogger(__name__)
 EXTERNAL = "_ds_external_parameters"  # a module's attribute: parameters it reads from other modules
@@ -89,8 +91,9 @@ class Stage3:
 
     def __init__(self, model: nn.Module, params: list[nn.Parameter], layout: FlatLayout, unit_names: list[str],
                  hooked: list[tuple[nn.Module, list[int]]], partition: torch.Tensor, shard_starts: list[int],
-                 config: Any, group: Any, on_modified: Callable[[int], None], shards: Any = None):
+                 config: Any, group: Any, on_modified: Callable[[int], None], shards: Any = None, gatherer: Any = None):
         self.model, self.layout, self.group, self.partition = model, layout, group, partition
+        self.gatherer = gatherer if gatherer is not None else UnitGathers(group)  # exact, or ZeRO++'s (`_zeropp`)
         self.world_size, self.rank = ds_comm.get_world_size(group), ds_comm.get_rank(group)
         self.shard_starts, self.dtype, self.on_modified = shard_starts, partition.dtype, on_modified
         # the model's device: where its released parameters' empty tensors are (the partition may be on the host)
@@ -110,7 +113,7 @@ class Stage3:
                 persistent_budget -= unit.bucket.padded
         self._empty = torch.empty(0, dtype=self.dtype, device=self.device)
         self._by_storage: dict[int, Unit] = {}
-        self._trace: list[int] | None = None  # the requests of the last forward+backward
+        self._trace: list[int] | None = None  # the requests of the last forward+backward (2 * unit + backward)
         self._recording: list[int] = []
         self._position: int | None = 0  # where this step is in the trace (None: off the trace)
         self._ahead: set[int] = set()  # units gathered ahead of their request
@@ -122,8 +125,8 @@ class Stage3:
         self.transfers = self.mover.counts  # host <-> device copies and bytes (tests, benchmarks)
         self._reads: dict[int, Any] = {}  # shard reads started for announced prefetches
         self._staged: dict[int, tuple[torch.Tensor, Any]] = {}  # prefetched units' buffers with their copy up
-        self._pool: dict[int, list[torch.Tensor]] = {}  # released gather buffers by size, for reuse
-        self._pending: tuple[Any, list[int]] | None = None  # a check in flight and the prefetches it announces
+        self.pool = GatherPool(self.dtype, self.device)  # released gather buffers, for reuse
+        self._pending: tuple[Any, list[int]] | None = None  # a check in flight and the prefetches (codes) it announces
         self.gathers = 0  # all-gathers issued (for tests and the benchmark)
         self._hooks: list[Any] = []
         self._names = {unit.index: unit.name for unit in self.units}
@@ -274,12 +277,12 @@ class Stage3:
         that runs while this module computes and are issued at the next request (`_flush`), so a
         step that follows its trace waits for no other rank at module boundaries."""
         self._flush()
-        self._recording.append(unit.index)
         code = 2 * unit.index + (phase == "backward")
+        self._recording.append(code)
         self.guard.requested(code)
         on_trace = False
         if self._position is not None and self._trace is not None:
-            if self._position < len(self._trace) and self._trace[self._position] == unit.index:
+            if self._position < len(self._trace) and self._trace[self._position] == code:
                 self._position += 1
                 on_trace = True
             else:
@@ -289,9 +292,10 @@ class Stage3:
         if unit.full is None:
             self.guard.check(code, [unit.index])
             self._gather(unit, code)
-        prefetch = self._to_prefetch() if on_trace else []
-        if prefetch:
-            self._pending = (self.guard.announce(code, prefetch), prefetch, code % 2)
+        codes = self._to_prefetch() if on_trace else []  # (each gathered for the phase the trace has it in)
+        if codes:
+            prefetch = [c // 2 for c in codes]
+            self._pending = (self.guard.announce(code, prefetch), codes)
             for u in prefetch:  # NVMe: reads run while the check does and the module computes; host: copies up
                 if self.mover.host and self.shards is None:
                     self._stage(self.units[u])
@@ -303,12 +307,13 @@ class Stage3:
         """The announced prefetches: wait for their check, then issue them."""
         if self._pending is None:
             return
-        check, units, backward = self._pending
+        check, codes = self._pending
         self._pending = None
         self.guard.confirm(check)
-        for u in units:
+        for c in codes:
+            u = c // 2
             if self.units[u].full is None:
-                self._gather(self.units[u], 2 * u + backward)
+                self._gather(self.units[u], c)
                 self._ahead.add(u)
             else:  # gathered meanwhile (a tied weight): its read or staged copy is not needed
                 self._unstage(u)
@@ -335,14 +340,14 @@ class Stage3:
 
     def _stage(self, unit: Unit) -> None:
         """A prefetch with the shards on the host: its buffer now, and the copy up issued ahead (side stream)."""
-        full = self._buffer(unit.bucket.padded)
+        full = self.pool.take(unit.bucket.padded)
         self._staged[unit.index] = (full, self.mover.stage(self._start_read(unit), self._mine(unit, full)))
 
     def _unstage(self, index: int) -> None:
         staged = self._staged.pop(index, None)
         if staged is not None:
             self.mover.wait(staged[1])  # (its copy is ordered before the buffer's next use)
-            self._recycle(staged[0])
+            self.pool.give(staged[0])
 
     @staticmethod
     def _shard_of(read: Any) -> torch.Tensor:
@@ -355,10 +360,11 @@ class Stage3:
     def _gather(self, unit: Unit, code: int | None = None) -> None:
         """Issue ``unit``'s all-gather on the device: this rank's shard into its place first (copied up
         from the host with offload_param; a staged prefetch's copy is waited for), then in place.
-        ``code``: a gather of a forward or backward, which the path guard sees first."""
+        ``code``: a gather of a forward or backward (ZeRO++'s way, `UnitGathers`), which the path guard sees first."""
+        phase = None if code is None else ("backward" if code % 2 else "forward")
         if code is not None:
-            self.guard.issuing(code, lambda n=unit.bucket.padded: ds_comm.all_gather_bucket(
-                torch.empty(n, dtype=self.dtype, device=self.device), group=self.group, async_op=True))
+            self.guard.issuing(code, lambda: self.gatherer.scratch(unit.bucket.padded, self.dtype, self.device,
+                                                                  unit.index, phase))
         staged = self._staged.pop(unit.index, None)
         if staged is not None:
             unit.full, event = staged
@@ -368,31 +374,14 @@ class Stage3:
             read = self._reads.pop(unit.index, None)
             read = read if read is not None else self._start_read(unit)
             shard = self._shard_of(read)
-            unit.full = self._buffer(unit.bucket.padded)
+            unit.full = self.pool.take(unit.bucket.padded)
             source = self.mover.load(shard, self._mine(unit, unit.full))
             self._done_with(read, shard)
-        unit.work = ds_comm.all_gather_bucket(unit.full, source, group=self.group, async_op=True)
+        unit.work = self.gatherer.start(unit.index, unit.full, source, phase)
         self.gathers += 1
         self._status(unit, ZeroParamStatus.INFLIGHT)
         if not unit.persistent:  # views of a persistent unit stay valid: autograd may keep them
             self._by_storage[unit.full.untyped_storage().data_ptr()] = unit
-
-    def _buffer(self, numel: int) -> torch.Tensor:
-        """A buffer for a gathered unit: a released one of the same size when there is one (units of
-        one model repeat a few sizes), else a new one. Reuse keeps the allocator from fragmenting the
-        heap with buffers of 1-16 MiB freed and allocated every step (RSS, and page faults)."""
-        free = self._pool.get(numel)
-        return free.pop() if free else torch.empty(numel, dtype=self.dtype, device=self.device)
-
-    def _recycle(self, full: torch.Tensor) -> None:
-        """Keep a released buffer for reuse only if no other tensor shares its storage (a user's, one autograd
-        saved): it keeps its values. Torch has no public query for that (getrefcount, weakref see Python objects)."""
-        try:
-            alone = torch._C._storage_Use_Count(full.untyped_storage()._cdata) <= 2  # `full` and this query
-        except (AttributeError, RuntimeError):  # a torch without the query: never reuse
-            alone = False
-        if alone:
-            self._pool.setdefault(full.numel(), []).append(full)
 
     def _point(self, unit: Unit) -> None:
         if unit.work is not None:
@@ -425,7 +414,8 @@ class Stage3:
         self._by_storage.pop(unit.full.untyped_storage().data_ptr(), None)
         self._release_params(unit)
         full, unit.full = unit.full, None
-        self._recycle(full)
+        self.gatherer.released(unit.index)
+        self.pool.give(full)
         self._ahead.discard(unit.index)
 
     def _after_use(self, unit: Unit) -> None:
@@ -443,7 +433,7 @@ class Stage3:
         if self.live_numel() > self.max_live:
             return False
         distance = 0
-        for u in self._trace[self._position:]:
+        for u in (c // 2 for c in self._trace[self._position:]):
             if u == unit.index:
                 return True
             distance += self.units[u].numel
@@ -456,7 +446,7 @@ class Stage3:
         return sum(u.bucket.padded for u in self.units if u.full is not None and not u.persistent)
 
     def _to_prefetch(self) -> list[int]:
-        """The units next in the trace to gather now: none while more than half of
+        """The units next in the trace to gather now, as their trace codes: none while more than half of
         ``stage3_prefetch_bucket_size`` is gathered ahead (so refills come in batches: fewer checks),
         else as many as fit in it and in ``stage3_max_live_parameters``."""
         ahead = sum(self.units[u].numel for u in self._ahead)
@@ -464,13 +454,13 @@ class Stage3:
             return []
         live = self.live_numel()
         out: list[int] = []
-        for u in self._trace[self._position:]:
-            unit = self.units[u]
-            if unit.persistent or unit.full is not None or u in out:
+        for code in self._trace[self._position:]:
+            unit = self.units[code // 2]
+            if unit.persistent or unit.full is not None or any(c // 2 == unit.index for c in out):
                 continue
             if ahead + unit.numel > self.prefetch_bucket_size or live + unit.bucket.padded > self.max_live:
                 break
-            out.append(u)
+            out.append(code)
             ahead += unit.numel
             live += unit.bucket.padded
         return out
@@ -497,6 +487,7 @@ class Stage3:
                 logger.debug("ZeRO-3: this step's module order differs from the last; re-recorded")
             self._trace = list(self._recording)
         self._restart()
+        self.gatherer.forget()  # (hpZ's secondary copies: the next forward keeps them anew)
 
     def _restart(self) -> None:
         self._recording = []
@@ -506,23 +497,29 @@ class Stage3:
 
     def after_step(self) -> None:
         """The optimizer updated the shards: persistent (and held) units gather them again."""
-        gathered = [unit for unit in self.units if unit.full is not None]
-        reads = [self._start_read(unit) for unit in gathered]
+        self.gatherer.forget()
+        self._regather([unit for unit in self.units if unit.full is not None])
+
+    def _regather(self, units: list[Unit]) -> None:
+        """``units`` (gathered, none in flight) gathered again from the shards, exactly."""
+        reads = [self._start_read(unit) for unit in units]
         works = []
-        for unit, read in zip(gathered, reads, strict=True):
+        for unit, read in zip(units, reads, strict=True):
             shard = self._shard_of(read)
             source = self.mover.load(shard, self._mine(unit, unit.full))
             self._done_with(read, shard)
-            works.append(ds_comm.all_gather_bucket(unit.full, source, group=self.group, async_op=True))
+            works.append(self.gatherer.start(unit.index, unit.full, source, None))
         for work in works:
             work.wait()
 
     # ------------------------------------------------------------------------- gather for users
     def hold(self, unit: Unit) -> None:
-        """Gather ``unit`` and keep it whole until `unhold` (GatheredParameters)."""
+        """Gather ``unit`` and keep it whole until `unhold` (GatheredParameters), with exact values."""
         if unit.full is None:
             self._gather(unit)
         self._point(unit)
+        if not self.gatherer.exact(unit.index):  # gathered by qwZ for a module: the shards' values instead
+            self._regather([unit])
         unit.held += 1
 
     def unhold(self, unit: Unit, modifier_rank: int | None) -> None:
@@ -539,6 +536,7 @@ class Stage3:
                 written = self.mover.to_host(mine)
                 self.shards.write_params(start, written)
             self.on_modified(unit.index, written)
+            self.gatherer.forget(unit.index)
         unit.held -= 1
         if not unit.held:
             self.release(unit)
@@ -562,7 +560,7 @@ class Stage3:
         self._end_forward(check=False)
         for index in list(self._staged):
             self._unstage(index)
-        self._pool.clear()
+        self.pool.clear()
         self.mover.clear()
         for p in (p for unit in self.units for p in unit.params):
             if getattr(p, "_ds_stage3", (None,))[0] is self:
@@ -576,7 +574,8 @@ class Stage3:
         self._drop_ahead()
         for unit in self.units:
             self.release(unit)
-        self._pool.clear()
+        self.pool.clear()
+        self.gatherer.forget()
 
     def held_bytes(self) -> int:
         """Bytes of gathered buffers (persistent and in use)."""
@@ -584,7 +583,7 @@ class Stage3:
 
     def pooled_bytes(self) -> int:
         """Bytes of released gather buffers kept for reuse."""
-        return sum(t.numel() * t.element_size() for free in self._pool.values() for t in free)
+        return self.pool.nbytes()
 
 
 def units_of(params: Iterable[nn.Parameter]) -> dict[Stage3, list[Unit]]:

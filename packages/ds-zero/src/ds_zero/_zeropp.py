@@ -1,0 +1,206 @@
+"""ZeRO++ (arXiv 2306.10209; DeepSpeed's ``zero_quantized_weights``, ``zero_hpz_partition_size``,
+``zero_quantized_gradients``) at stage 3, as the parts the policy picks; the stage code calls them and has no
+branch of its own for them.
+
+* `ZeroPlusPlus`: the keys as one run uses them (off below stage 3, as DeepSpeed ignores them there).
+* `UnitGathers`: how `Stage3` gathers a unit for the forward and backward.
+  - exact: one all-gather over ZeRO's group (the default);
+  - **qwZ**: each rank's shard as int8 blocks with a float32 scale per block (`ds_comm.quantized_all_gather`):
+    a quarter of an fp32 gather's bytes, half of a bf16 one's;
+  - **hpZ**: a forward gather (with autograd on: a backward will follow) also keeps this rank's
+    ``1/zero_hpz_partition_size`` of the unit (the *secondary partition*, over groups of consecutive ranks,
+    DeepSpeed's ``_create_zero_param_parallel_group``); the backward gathers the unit from those copies inside
+    its group, so with the group inside a node no backward gather crosses the node boundary. The copies are
+    dropped at the end of each backward and at each step, so they never hold values older than the shards.
+  GatheredParameters, the 16-bit export, checkpoints and ``safe_get_*`` read exact values: a gather outside the
+  forward/backward is exact, and a unit still gathered by qwZ is gathered exactly again for them (`exact`).
+* **qgZ** (`quantized_reduction`): the gradient reduce-scatter as DeepSpeed's ``all_to_all_quant_reduce``,
+  int4 blocks inside the node and across (`ds_comm.quantized_reduce_scatter` over `ds_comm.HierarchicalGroups`).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+import ds_comm
+
+from ._model import version
+
+logger = logging.getLogger(__name__)
+
+WEIGHT_BITS = 8  # qwZ: DeepSpeed's int8 weights
+GRADIENT_BITS = 4  # qgZ: DeepSpeed's int4 gradients (inside the node and across)
+
+
+@dataclass(frozen=True)
+class ZeroPlusPlus:
+    """The ZeRO++ keys of one run, as they apply (all off below stage 3)."""
+
+    quantized_weights: bool = False
+    hpz_partition_size: int = 1  # 1: off
+    quantized_gradients: bool = False
+    quantized_nontrainable_weights: bool = False
+
+    @property
+    def on(self) -> bool:
+        return self.quantized_weights or self.hpz_partition_size > 1 or self.quantized_gradients or \
+            self.quantized_nontrainable_weights
+
+
+def zeropp_of(config: Any, shard_params: bool) -> ZeroPlusPlus:
+    """``zero_optimization``'s ZeRO++ keys for a run that partitions its parameters (``shard_params``) or not.
+    DeepSpeed reads them at stage 3 only and ignores them below: so does this, saying so once."""
+    keys = ZeroPlusPlus(bool(config.zero_quantized_weights), max(1, int(config.zero_hpz_partition_size)),
+                        bool(config.zero_quantized_gradients), bool(config.zero_quantized_nontrainable_weights))
+    if shard_params or not keys.on:
+        return keys
+    logger.warning("zero_optimization: the ZeRO++ keys (zero_quantized_weights, zero_hpz_partition_size, "
+                   "zero_quantized_gradients, zero_quantized_nontrainable_weights) apply at stage 3 only; at stage "
+                   "%s they change nothing (as in DeepSpeed)", config.stage)
+    return ZeroPlusPlus()
+
+
+def _whole_world(group: Any, what: str) -> None:
+    if ds_comm.get_world_size(group) != ds_comm.get_world_size():
+        raise NotImplementedError(f"zero_optimization.{what} over a data-parallel group smaller than the world "
+                                  f"({ds_comm.get_world_size(group)} of {ds_comm.get_world_size()} ranks: tensor, "
+                                  f"pipeline or sequence parallelism) is not implemented in ds-zero {version()}")
+
+
+class _Done:
+    """The handle of a collective that completed when it was issued."""
+
+    def wait(self, *_: Any, **__: Any) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+class _Then:
+    """A gather's handle whose first ``wait()`` also keeps the secondary copy (hpZ)."""
+
+    def __init__(self, work: Any, then: Any):
+        self._work, self._then = work, then
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        result = self._work.wait(*args, **kwargs)
+        if self._then is not None:
+            then, self._then = self._then, None
+            then()
+        return result
+
+    def is_completed(self) -> bool:
+        return self._work.is_completed()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
+
+
+class UnitGathers:
+    """How one `Stage3` gathers its units (see the module docstring): ``quantized`` (qwZ) and ``hpz`` ranks per
+    secondary partition (hpZ; 1: off), over ZeRO's ``group``. Creating it with hpZ makes the hpZ groups: a
+    collective, in the same order on every rank."""
+
+    def __init__(self, group: Any, *, quantized: bool = False, hpz: int = 1):
+        self.group, self.quantized = group, quantized
+        world, rank = ds_comm.get_world_size(group), ds_comm.get_rank(group)
+        self.hpz = min(hpz, world)  # DeepSpeed: min(zero_hpz_partition_size, world size)
+        self.hpz_group: Any = None
+        self.hpz_rank = 0
+        if quantized:
+            _whole_world(group, "zero_quantized_weights")
+        if self.hpz > 1:
+            _whole_world(group, "zero_hpz_partition_size")
+            if world % self.hpz:
+                raise ValueError(f"zero_optimization.zero_hpz_partition_size {hpz} must divide the world size "
+                                 f"{world} (DeepSpeed's rule: each secondary partition is hpz consecutive ranks)")
+            for first in range(0, world, self.hpz):  # every rank creates every group, in order
+                members = list(range(first, first + self.hpz))
+                made = ds_comm.new_group(members)
+                if rank in members:
+                    self.hpz_group, self.hpz_rank = made, rank - first
+            per_node = ds_comm.node_topology().ranks_per_node
+            if per_node % self.hpz:
+                logger.warning("zero_optimization.zero_hpz_partition_size %d does not divide the %d ranks per node: "
+                               "the backward's gathers cross nodes (set it to the ranks per node)", self.hpz, per_node)
+        self._secondary: dict[int, torch.Tensor] = {}  # unit index -> this rank's 1/hpz of the unit (hpZ)
+        self._inexact: set[int] = set()  # units whose gathered buffer holds qwZ's dequantized values
+
+    @property
+    def plain(self) -> bool:
+        return not self.quantized and self.hpz == 1
+
+    def start(self, index: int, full: torch.Tensor, source: torch.Tensor | None, phase: str | None) -> Any:
+        """Issue unit ``index``'s gather into ``full`` (this rank's shard in its place, or ``source``): exact with
+        ``phase`` None (outside the forward and backward), else ZeRO++'s way for "forward" or "backward"."""
+        if phase == "backward" and index in self._secondary:
+            self._inexact.discard(index)  # (as exact as the forward it was kept from)
+            return ds_comm.all_gather_bucket(full, self._secondary[index], group=self.hpz_group, async_op=True)
+        world, rank = ds_comm.get_world_size(self.group), ds_comm.get_rank(self.group)
+        if phase is not None and self.quantized:
+            shard = full.view(world, -1)[rank] if source is None else source
+            work = ds_comm.quantized_all_gather(shard, self.group, bits=WEIGHT_BITS, out=full, async_op=True)
+            self._inexact.add(index)
+        else:
+            work = ds_comm.all_gather_bucket(full, source, group=self.group, async_op=True)
+            self._inexact.discard(index)
+        if phase == "forward" and self.hpz > 1 and torch.is_grad_enabled():
+            return _Then(work, lambda: self._keep(index, full))
+        return work
+
+    def scratch(self, numel: int, dtype: torch.dtype, device: torch.device, index: int, phase: str | None) -> Any:
+        """The collective `start` would issue, into scratch buffers (the path guard squares up ranks with it)."""
+        if phase == "backward" and index in self._secondary:
+            return ds_comm.all_gather_bucket(torch.empty(numel, dtype=dtype, device=device), group=self.hpz_group,
+                                             async_op=True)
+        if phase is not None and self.quantized:
+            shard = torch.zeros(numel // ds_comm.get_world_size(self.group), dtype=dtype, device=device)
+            return ds_comm.quantized_all_gather(shard, self.group, bits=WEIGHT_BITS, async_op=True)
+        return ds_comm.all_gather_bucket(torch.empty(numel, dtype=dtype, device=device), group=self.group,
+                                         async_op=True)
+
+    def _keep(self, index: int, full: torch.Tensor) -> None:
+        part = full.view(self.hpz, -1)[self.hpz_rank]
+        kept = self._secondary.get(index)
+        if kept is None or kept.numel() != part.numel():
+            self._secondary[index] = part.clone()
+        else:
+            kept.copy_(part)
+
+    def exact(self, index: int) -> bool:
+        """Whether unit ``index``'s gathered buffer (if any) holds the shards' exact values."""
+        return index not in self._inexact
+
+    def forget(self, index: int | None = None) -> None:
+        """Drop the secondary copies (of unit ``index``; of every unit by default): the shards changed, or the
+        backward that needed them is over."""
+        if index is None:
+            self._secondary.clear()
+        else:
+            self._secondary.pop(index, None)
+
+    def released(self, index: int) -> None:
+        self._inexact.discard(index)
+
+    def secondary_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._secondary.values())
+
+
+def quantized_reduction(group: Any) -> Any:
+    """qgZ: a ``start(buffer, out)`` that reduce-scatters (sums) ``buffer`` into ``out`` as DeepSpeed's
+    ``all_to_all_quant_reduce`` (int4 inside the node, int4 across; the node layout from the launcher's
+    ``LOCAL_WORLD_SIZE``/``LOCAL_SIZE``), completed when it returns. Creates the hierarchical groups: a
+    collective."""
+    _whole_world(group, "zero_quantized_gradients")
+    groups = ds_comm.HierarchicalGroups()
+
+    def start(buffer: torch.Tensor, out: torch.Tensor) -> Any:
+        out.copy_(ds_comm.quantized_reduce_scatter(buffer, groups, op=ds_comm.ReduceOp.SUM, bits=GRADIENT_BITS))
+        return _Done()
+
+    return start

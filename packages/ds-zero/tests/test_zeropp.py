@@ -1,0 +1,205 @@
+"""ZeRO++ at stage 3 on 4 ranks as 2 nodes × 2 (LOCAL_WORLD_SIZE=2, gloo), against plain stage 3 on the
+same model, data and seed: hpZ alone trains bit for bit as plain stage 3 (its secondary copies are exact)
+with no backward gather crossing the node boundary; qwZ gathers a quarter of the bytes; qgZ sends under
+0.3× the gradient bytes across nodes; each trains within the quantization's reach of plain stage 3; the
+values users read (GatheredParameters, the whole parameters) are the shards' exact ones; and the keys'
+refusals are DeepSpeed's."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import logging
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import ds_comm
+from ds_comm.testing import spawn
+from ds_zero import GatheredParameters, ZeroOptimizer
+
+
+def _sibling(name: str):
+    spec = importlib.util.spec_from_file_location(f"_ds_zero_tests_{name}", Path(__file__).with_name(f"{name}.py"))
+    module = sys.modules.get(spec.name) or importlib.util.module_from_spec(spec)
+    if spec.name not in sys.modules:
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+    return module
+
+
+_gpt = _sibling("test_zero_vs_ddp")
+TinyGPT, _batch = _gpt.TinyGPT, _gpt._batch
+ADAMW = {"lr": 1e-2, "weight_decay": 0.01}
+# backward gathers again (the regime ZeRO++ is for); no prefetch: each gather completes within its request, so
+# the comms logger's count after the forward holds the forward's gathers exactly
+STAGE3 = {"stage": 3, "stage3_param_persistence_threshold": 100, "stage3_prefetch_bucket_size": 0,
+          "stage3_max_reuse_distance": 0}
+TWO_BY_TWO = {"LOCAL_WORLD_SIZE": "2"}
+CASES = {"plain": {}, "hpZ": {"zero_hpz_partition_size": 2},
+         "hpZ, prefetch": {"zero_hpz_partition_size": 2, "stage3_prefetch_bucket_size": 5000},
+         "qwZ": {"zero_quantized_weights": True},
+         "qgZ": {"zero_quantized_gradients": True},
+         "all": {"zero_quantized_weights": True, "zero_hpz_partition_size": 2, "zero_quantized_gradients": True}}
+STEPS = 12
+
+
+def _traffic() -> dict[str, tuple[int, int]]:
+    """Per op: (bytes, bytes crossing the node boundary) the comms logger counted so far."""
+    out: dict[str, tuple[int, int]] = {}
+    for r in ds_comm.comms_logger.records():
+        total, cross = out.get(r.op, (0, 0))
+        out[r.op] = (total + r.msg_bytes * r.count, cross + int(r.cross_node_bytes or 0))
+    return out
+
+
+def _minus(after: dict, before: dict) -> dict:
+    return {op: (b - before.get(op, (0, 0))[0], c - before.get(op, (0, 0))[1]) for op, (b, c) in after.items()}
+
+
+def train_each_way(rank, world_size):
+    torch.manual_seed(0)
+    base = TinyGPT()
+    out = {}
+    for name, extra in CASES.items():
+        model = copy.deepcopy(base)
+        zero = ZeroOptimizer(model, torch.optim.AdamW, optimizer_kwargs=ADAMW, config={**STAGE3, **extra})
+        losses, probe = [], {}
+
+        def inside_forward(module, args, probe=probe):  # the head's unit is gathered for its forward (by qwZ: quantized)
+            probe["module's"] = module.weight.detach().clone()
+            with GatheredParameters([module.weight]):
+                probe["held"] = module.weight.detach().clone()
+
+        for step in range(STEPS):
+            measured = step == 2  # (the trace is recorded: prefetches run as in training)
+            if measured:
+                ds_comm.configure(enabled=True, prof_all=True)
+                ds_comm.comms_logger.reset()
+            hook = model.head.register_forward_pre_hook(inside_forward) if step == 3 else None
+            loss = model(_batch(step, 0, rank))
+            if hook is not None:
+                hook.remove()
+                with GatheredParameters([model.head.weight]):  # released now: gathered exactly
+                    probe["exact"] = model.head.weight.detach().clone()
+            if measured:
+                forward = _traffic()
+            zero.backward(loss)
+            if measured:
+                backward = _minus(_traffic(), forward)
+            zero.step()
+            if measured:
+                ds_comm.configure(enabled=False)
+                whole_step = _traffic()
+            zero.zero_grad()
+            losses.append(loss.item())
+        secondary = zero._stage3.gatherer.secondary_bytes()  # dropped at the end of each backward
+        with GatheredParameters(list(model.parameters())):
+            held = [p.detach().clone() for p in model.parameters()]
+        zero.close()  # every parameter whole again
+        whole = [p.detach().clone() for p in model.parameters()]
+        out[name] = {"losses": losses, "forward": forward, "backward": backward, "step": whole_step, "held": held,
+                     "whole": whole,
+                     "secondary": secondary, "probe": probe}
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return spawn(train_each_way, world_size=4, env=TWO_BY_TWO, timeout=300)
+
+
+def test_hpz_trains_bit_for_bit_as_stage_3_and_its_backward_gathers_stay_in_the_node(runs):
+    for out in runs:
+        plain, hpz = out["plain"], out["hpZ"]
+        assert hpz["losses"] == plain["losses"]
+        assert all(torch.equal(a, b) for a, b in zip(hpz["whole"], plain["whole"], strict=True))
+        assert plain["backward"]["all_gather_bucket"][1] > 0  # plain stage 3's backward gathers cross nodes
+        assert hpz["backward"]["all_gather_bucket"][1] == 0, hpz["backward"]
+        assert hpz["backward"]["all_gather_bucket"][0] > 0  # (it did gather, inside the node)
+        assert hpz["forward"] == plain["forward"]  # the forward's gathers are stage 3's
+        assert hpz["secondary"] == 0
+        # prefetching: the backward's units gathered ahead (from the forward's last module on) are gathered as
+        # the backward gathers them, from the secondary copies
+        prefetched = out["hpZ, prefetch"]
+        assert prefetched["losses"] == plain["losses"]
+        assert prefetched["step"]["all_gather_bucket"] == hpz["step"]["all_gather_bucket"]
+
+
+def test_qwz_gathers_a_quarter_of_the_bytes_of_fp32(runs):
+    for out in runs:
+        plain, qwz = out["plain"], out["qwZ"]
+        exact = plain["forward"]["all_gather_bucket"][0] + plain["backward"]["all_gather_bucket"][0]
+        quantized = sum(way[op][0] for way in (qwz["forward"], qwz["backward"]) for op in way
+                        if "all_gather" in op)
+        assert "all_gather_bucket" not in qwz["backward"]
+        assert quantized <= 0.27 * exact, (quantized, exact)
+
+
+def test_qgz_sends_under_0_3_of_the_gradient_bytes_across_nodes(runs):
+    for out in runs:
+        plain = out["plain"]["backward"]["reduce_scatter_bucket"][1]
+        qgz = out["qgZ"]["backward"]
+        assert "reduce_scatter_bucket" not in qgz
+        assert 0 < qgz["quantized_reduce_scatter"][1] <= 0.3 * plain, (qgz, plain)
+
+
+def test_each_way_trains_within_the_quantizations_reach_of_stage_3(runs):
+    for out in runs:
+        plain = out["plain"]["losses"]
+        for name in ("qwZ", "qgZ", "all"):
+            losses = out[name]["losses"]
+            assert losses != plain  # it did quantize
+            gaps = [abs(a / b - 1) for a, b in zip(losses, plain, strict=True)]
+            assert max(gaps) <= 0.01, (name, gaps)
+
+
+def test_users_read_the_shards_exact_values(runs):
+    """GatheredParameters (and so the 16-bit export, which holds each unit) reads exact values: after training,
+    and inside a forward whose module holds the unit as qwZ gathered it."""
+    for out in runs:
+        for name in CASES:
+            assert all(torch.equal(a, b) for a, b in zip(out[name]["held"], out[name]["whole"], strict=True)), name
+            probe = out[name]["probe"]
+            assert torch.equal(probe["held"], probe["exact"]), name
+            assert torch.equal(probe["module's"], probe["exact"]) == ("qwZ" not in name and name != "all"), name
+
+
+def refusals(rank, world_size):
+    out = []
+    model = TinyGPT()
+    for extra, error in (({"zero_hpz_partition_size": 3}, ValueError),
+                         ({"zero_quantized_nontrainable_weights": True}, NotImplementedError)):
+        try:
+            ZeroOptimizer(copy.deepcopy(model), torch.optim.AdamW, config={**STAGE3, **extra})
+        except error as e:
+            out.append(str(e))
+    return out
+
+
+def test_refusals_name_the_value_and_the_rule():
+    hpz, mixz = spawn(refusals, world_size=4)[0]
+    assert hpz == ("zero_optimization.zero_hpz_partition_size 3 must divide the world size 4 (DeepSpeed's rule: "
+                   "each secondary partition is hpz consecutive ranks)")
+    assert "zero_quantized_nontrainable_weights (ZeRO++ quantized frozen weights, MixZ++)" in mixz
+
+
+def below_stage_3(rank, world_size):
+    model = TinyGPT()
+    zero = ZeroOptimizer(model, torch.optim.AdamW, config={"stage": 2, **CASES["all"]})
+    loss = model(_batch(0, 0, rank))
+    zero.backward(loss)
+    zero.step()
+    return zero.policy.zeropp.on
+
+
+def test_below_stage_3_the_keys_change_nothing_and_say_so(caplog):
+    with caplog.at_level(logging.WARNING, logger="ds_zero._zeropp"):
+        from ds_zero._zeropp import zeropp_of
+        from ds_zero.config import ZeroConfig
+
+        assert not zeropp_of(ZeroConfig.from_section_or_ds_config({"stage": 2, **CASES["all"]}), False).on
+    assert "apply at stage 3 only; at stage 2 they change nothing (as in DeepSpeed)" in caplog.text
+    assert spawn(below_stage_3, world_size=2) == [False, False]
