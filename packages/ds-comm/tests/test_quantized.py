@@ -194,3 +194,27 @@ def test_without_ds_ops_the_torch_ops_give_the_same_bytes(bits, monkeypatch):
     assert torch.equal(quantized._dequantize_sum(*stack, 1001, 20, bits).nan_to_num(), summed.nan_to_num())
     again = quantized._requantize_sum(*stack, 1001, 20, bits, 4)
     assert torch.equal(again[0], requantized[0]) and torch.equal(again[1].nan_to_num(), requantized[1].nan_to_num())
+
+
+def cuda_quantized_collectives(rank, world):
+    torch.cuda.set_device(0)
+    shard = data(rank, 4099).cuda()
+    gathered = ds_comm.quantized_all_gather(shard, group_size=64)
+    bound = group_max(shard.double().cpu(), 64) / QMAX[8] / 2 * (1 + 2**-15) + shard.double().cpu().abs() * 2**-23
+    full = torch.zeros(4099, device="cuda")
+    work = ds_comm.quantized_all_gather(full.clone(), group_size=64, out=full, async_op=True)
+    work.wait()
+    groups = ds_comm.HierarchicalGroups()
+    reduced = ds_comm.quantized_reduce_scatter(shard[:4096], groups, op=ds_comm.ReduceOp.SUM, group_size=64)
+    within = ((reduced.double().cpu() - shard[:4096].double().cpu()).abs()
+              <= group_max(shard[:4096].double().cpu(), 64) / QMAX[4] / 2 * (1 + 2**-15) + 1e-6)
+    return (gathered.is_cuda, bool(((gathered.double().cpu() - shard.double().cpu()).abs() <= bound).all()),
+            bool(torch.equal(full, torch.zeros_like(full))), reduced.is_cuda, bool(within.all()))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_quantized_collectives_over_nccl():
+    """qwZ's gather and qgZ's reduction with CUDA tensors over NCCL (one rank: the device path of the
+    quantization, the frames and the exchanges), within the quantization's bound."""
+    assert spawn(cuda_quantized_collectives, world_size=1, backend="nccl")[0] == (True, True, True, True, True)

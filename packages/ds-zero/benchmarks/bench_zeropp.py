@@ -2,7 +2,8 @@
 
 * ``--part bytes``: the yardstick GPT of ARCHITECTURE.md (``_yardstick.py``; micro-batch 1, sequence 64: the
   bytes do not depend on the batch), ZeRO-3 with every unit gathered (``stage3_param_persistence_threshold``
-  0), one step after two of warm-up counted by the comms logger, forward and backward apart: the parameter
+  0, no prefetch so that forward and backward are counted apart exactly), one step after two of warm-up
+  counted by the comms logger, forward and backward apart: the parameter
   all-gather bytes, the backward's gather bytes crossing the node boundary, the gradient reduction's bytes
   crossing it; fp32 and bf16. Goals: qwZ ≤ 0.27× plain (fp32), ≤ 0.52× (bf16); hpZ: 0 backward bytes across
   nodes; qgZ ≤ 0.3× the gradient bytes across nodes.
@@ -48,9 +49,12 @@ STAGE3 = {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_max_reuse
 ADAMW = {"lr": 1e-4, "weight_decay": 0.01}
 
 
-def _zero(model, kind: str, precision: str, lr: float = 1e-4) -> ZeroOptimizer:
+def _zero(model, kind: str, precision: str, lr: float = 1e-4, prefetch: bool = True) -> ZeroOptimizer:
+    """``prefetch`` False: each gather completes inside its request, so the comms logger's count after the
+    forward holds the forward's gathers exactly (prefetches issued at its end complete during the backward)."""
     return ZeroOptimizer(model, torch.optim.AdamW, optimizer_kwargs={**ADAMW, "lr": lr},
-                         config={**STAGE3, **KINDS[kind]}, bf16={"enabled": precision == "bf16"})
+                         config={**STAGE3, **KINDS[kind], **({} if prefetch else {"stage3_prefetch_bucket_size": 0})},
+                         bf16={"enabled": precision == "bf16"})
 
 
 # ---------------------------------------------------------------------------------------------- bytes
@@ -63,13 +67,17 @@ def _traffic() -> dict[str, list[int]]:
     return out
 
 
+PARAM_GATHERS = ("all_gather_bucket", "quantized_all_gather")  # (not the path checks' small all-gathers)
+GRAD_REDUCTIONS = ("reduce_scatter_bucket", "quantized_reduce_scatter")
+
+
 def bytes_rank(rank, world_size, precision):
     shape = Shape(micro_batch=1, seq=64)
     out = {}
     for kind in KINDS:
         torch.manual_seed(0)
         model = GPT(shape)
-        zero = _zero(model, kind, precision)
+        zero = _zero(model, kind, precision, prefetch=False)
         for step in range(3):
             if step == 2:
                 ds_comm.configure(enabled=True, prof_all=True)
@@ -77,15 +85,15 @@ def bytes_rank(rank, world_size, precision):
             loss = model(tokens(step, 0, rank, shape))
             forward = _traffic()
             zero.backward(loss)
+            zero.step()  # (reductions still in flight when backward returned complete here)
             total = _traffic()
-            zero.step()
             zero.zero_grad()
         ds_comm.configure(enabled=False)
         backward = {op: [b - forward.get(op, [0, 0])[0], c - forward.get(op, [0, 0])[1]] for op, (b, c) in total.items()}
-        gathers = sum(b for op, (b, _) in total.items() if "all_gather" in op)
+        gathers = sum(b for op, (b, _) in total.items() if op in PARAM_GATHERS)
         out[kind] = {"gather_bytes": gathers,
-                     "backward_gather_cross": sum(c for op, (_, c) in backward.items() if "all_gather" in op),
-                     "grad_cross": sum(c for op, (_, c) in backward.items() if "reduce_scatter" in op),
+                     "backward_gather_cross": sum(c for op, (_, c) in backward.items() if op in PARAM_GATHERS),
+                     "grad_cross": sum(c for op, (_, c) in total.items() if op in GRAD_REDUCTIONS),
                      "ops": sorted(total)}
         zero.close()
     return out
@@ -168,20 +176,20 @@ LINKS = ("dszpp-a", "dszpp-b")
 ADDRESSES = ("10.77.0.1", "10.77.0.2")
 
 
-def speed_rank(out: str, steps: int, micro: int) -> None:
+def speed_rank(out: str, steps: int, micro: int, kinds: list[str]) -> None:
     """One rank of the speed part (ds-launch's variables in the environment): plain and all three, steps
     alternating; rank 0 writes each kind's step times."""
     ds_comm.init_distributed()
     rank = ds_comm.get_rank()
     shape = Shape(micro_batch=micro)
     runs = {}
-    for kind in ("plain", "all"):
+    for kind in kinds:
         torch.manual_seed(0)
         model = GPT(shape)
         runs[kind] = (model, _zero(model, kind, "fp32"))
     times: dict[str, list[float]] = {kind: [] for kind in runs}
     for step in range(steps + 2):
-        for kind, (model, zero) in (runs.items() if step % 2 else reversed(runs.items())):
+        for kind, (model, zero) in (list(runs.items()) if step % 2 else list(runs.items())[::-1]):
             ds_comm.barrier()
             start = time.perf_counter()
             zero.backward(model(tokens(step, 0, rank, shape)))
@@ -213,7 +221,7 @@ def _namespaces(rate: str | None) -> None:
         _sh(*run_in, "ip", "addr", "add", f"{address}/24", "dev", link)
         _sh(*run_in, "ip", "link", "set", link, "up")
         if rate:
-            _sh(*run_in, "tc", "qdisc", "add", "dev", link, "root", "tbf", "rate", rate, "burst", "256kb",
+            _sh(*run_in, "tc", "qdisc", "add", "dev", link, "root", "tbf", "rate", rate, "burst", "1mb",
                 "latency", "2s")
 
 
@@ -222,7 +230,7 @@ def _teardown() -> None:
         subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
-def speed_run(rate: str | None, steps: int, micro: int) -> dict[str, list[float]]:
+def speed_run(rate: str | None, steps: int, micro: int, kinds: list[str]) -> dict[str, list[float]]:
     _namespaces(rate)
     try:
         with tempfile.TemporaryDirectory() as tmp:
@@ -234,7 +242,8 @@ def speed_run(rate: str | None, steps: int, micro: int) -> dict[str, list[float]
                        "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": ADDRESSES[0], "MASTER_PORT": "29631",
                        "GLOO_SOCKET_IFNAME": LINKS[node], "OMP_NUM_THREADS": "1"}
                 ranks.append(subprocess.Popen(["ip", "netns", "exec", NAMESPACES[node], sys.executable, __file__,
-                                               "--rank-of-speed", out, "--steps", str(steps), "--micro", str(micro)],
+                                               "--rank-of-speed", out, "--steps", str(steps), "--micro", str(micro),
+                                               "--kinds", *kinds],
                                               env=env))
             codes = [p.wait(timeout=3600) for p in ranks]
             if any(codes):
@@ -244,20 +253,22 @@ def speed_run(rate: str | None, steps: int, micro: int) -> dict[str, list[float]
         _teardown()
 
 
-def part_speed(results: dict, rate: str, steps: int, micro: int) -> None:
+def part_speed(results: dict, rate: str, steps: int, micro: int, kinds: list[str]) -> None:
+    kinds = ["plain", *[k for k in kinds if k != "plain"]]
     for label, limit in ((f"inter-node link limited to {rate}", rate), ("veth without a limit", None)):
-        times = speed_run(limit, steps, micro)
-        ratios = [a / p for a, p in zip(times["all"], times["plain"], strict=True)]
-        plain, both = statistics.median(times["plain"]), statistics.median(times["all"])
+        times = speed_run(limit, steps, micro, kinds)
         print(f"\nspeed, {label}: yardstick GPT, micro-batch {micro}, 4 ranks (2 nodes x 2), {steps} steps each, "
               "alternating")
-        print(f"plain ZeRO-3 {plain:.2f} s/step, all three {both:.2f} s/step: {statistics.median(ratios):.3f}x "
-              "(median of same-step ratios)")
-        if limit:
-            ok = statistics.median(ratios) <= 0.6
-            print(f"goal <= 0.6x plain ZeRO-3's step on the limited link: {'met' if ok else 'missed'}")
-        results[f"speed_{'limited' if limit else 'unlimited'}"] = {"plain": times["plain"], "all": times["all"],
-                                                                   "ratio": statistics.median(ratios)}
+        row = {}
+        for kind in kinds:
+            ratio = statistics.median(a / p for a, p in zip(times[kind], times["plain"], strict=True))
+            print(f"{kind:<6} {statistics.median(times[kind]):.2f} s/step, {ratio:.3f}x plain ZeRO-3's (median of "
+                  "same-step ratios)")
+            row[kind] = {"times": times[kind], "ratio": ratio}
+        if limit and "all" in row:
+            print(f"goal: all three <= 0.6x plain ZeRO-3's step on the limited link: "
+                  f"{'met' if row['all']['ratio'] <= 0.6 else 'missed'}")
+        results[f"speed_{'limited' if limit else 'unlimited'}"] = row
 
 
 def main() -> None:
@@ -267,12 +278,13 @@ def main() -> None:
     parser.add_argument("--rate", default="1gbit", help="the inter-node link's rate for tc")
     parser.add_argument("--steps", type=int, default=8, help="timed steps per kind (speed)")
     parser.add_argument("--micro", type=int, default=1, help="micro-batch per rank (speed)")
+    parser.add_argument("--kinds", nargs="+", default=["plain", "all"], choices=list(KINDS), help="(speed)")
     parser.add_argument("--convergence-steps", type=int, default=300)
     parser.add_argument("--json", help="write the figures here")
     parser.add_argument("--rank-of-speed", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rank_of_speed:
-        speed_rank(args.rank_of_speed, args.steps, args.micro)
+        speed_rank(args.rank_of_speed, args.steps, args.micro, args.kinds)
         return
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs", flush=True)
     results: dict = {}
@@ -281,7 +293,7 @@ def main() -> None:
     if "convergence" in args.part:
         part_convergence(results, args.convergence_steps)
     if "speed" in args.part:
-        part_speed(results, args.rate, args.steps, args.micro)
+        part_speed(results, args.rate, args.steps, args.micro, args.kinds)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
 

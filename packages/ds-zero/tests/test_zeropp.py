@@ -203,3 +203,31 @@ def test_below_stage_3_the_keys_change_nothing_and_say_so(caplog):
         assert not zeropp_of(ZeroConfig.from_section_or_ds_config({"stage": 2, **CASES["all"]}), False).on
     assert "apply at stage 3 only; at stage 2 they change nothing (as in DeepSpeed)" in caplog.text
     assert spawn(below_stage_3, world_size=2) == [False, False]
+
+
+def cuda_zeropp(rank, world_size):
+    torch.cuda.set_device(0)
+    torch.manual_seed(0)
+    base = TinyGPT().cuda()
+    out = {}
+    for name in ("plain", "all"):
+        model = copy.deepcopy(base)
+        zero = ZeroOptimizer(model, torch.optim.AdamW, optimizer_kwargs=ADAMW, config={**STAGE3, **CASES[name]})
+        losses = []
+        for step in range(6):
+            loss = model(_batch(step, 0, rank).cuda())
+            zero.backward(loss)
+            zero.step()
+            zero.zero_grad()
+            losses.append(loss.item())
+        out[name] = losses
+        zero.close()
+    return out
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_zeropp_trains_on_the_gpu_within_the_quantizations_reach():
+    out = spawn(cuda_zeropp, world_size=1, backend="nccl")[0]
+    assert out["all"] != out["plain"]
+    assert all(abs(a / b - 1) <= 0.01 for a, b in zip(out["all"], out["plain"], strict=True)), out

@@ -284,6 +284,8 @@ class GradientReducer:
         self.work, self.buffer_work = [], []
         self.bucket_buffers, self.received = [], []
         self.host = None
+        if self.quantized is not None:
+            self.quantized.close()
 
 
 def _complete(work: Any, then: Callable | None, waiting: Any = None) -> None:

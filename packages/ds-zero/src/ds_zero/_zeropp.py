@@ -21,6 +21,7 @@ branch of its own for them.
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,16 +70,6 @@ def _whole_world(group: Any, what: str) -> None:
         raise NotImplementedError(f"zero_optimization.{what} over a data-parallel group smaller than the world "
                                   f"({ds_comm.get_world_size(group)} of {ds_comm.get_world_size()} ranks: tensor, "
                                   f"pipeline or sequence parallelism) is not implemented in ds-zero {version()}")
-
-
-class _Done:
-    """The handle of a collective that completed when it was issued."""
-
-    def wait(self, *_: Any, **__: Any) -> bool:
-        return True
-
-    def is_completed(self) -> bool:
-        return True
 
 
 class _Then:
@@ -191,16 +182,43 @@ class UnitGathers:
         return sum(t.numel() * t.element_size() for t in self._secondary.values())
 
 
-def quantized_reduction(group: Any) -> Any:
-    """qgZ: a ``start(buffer, out)`` that reduce-scatters (sums) ``buffer`` into ``out`` as DeepSpeed's
+class _Pending:
+    """The handle of a reduction running on `QuantizedReduction`'s thread."""
+
+    def __init__(self, future: Future):
+        self._future = future
+
+    def wait(self, *_: Any, **__: Any) -> bool:
+        self._future.result()  # (its exception, if it raised)
+        return True
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+
+class QuantizedReduction:
+    """qgZ: ``start(buffer, out)`` reduce-scatters (sums) ``buffer`` into ``out`` as DeepSpeed's
     ``all_to_all_quant_reduce`` (int4 inside the node, int4 across; the node layout from the launcher's
-    ``LOCAL_WORLD_SIZE``/``LOCAL_SIZE``), completed when it returns. Creates the hierarchical groups: a
-    collective."""
-    _whole_world(group, "zero_quantized_gradients")
-    groups = ds_comm.HierarchicalGroups()
+    ``LOCAL_WORLD_SIZE``/``LOCAL_SIZE``) and returns a handle. The reductions run one after another on a thread
+    of their own (the quantization kernels and gloo release the GIL), in the order started, which is the same
+    on every rank: the backward goes on meanwhile, as it does beside a plain reduce-scatter. Creating it creates
+    the hierarchical groups: a collective."""
 
-    def start(buffer: torch.Tensor, out: torch.Tensor) -> Any:
-        out.copy_(ds_comm.quantized_reduce_scatter(buffer, groups, op=ds_comm.ReduceOp.SUM, bits=GRADIENT_BITS))
-        return _Done()
+    def __init__(self, group: Any):
+        _whole_world(group, "zero_quantized_gradients")
+        self.groups = ds_comm.HierarchicalGroups()
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ds_zero-qgZ")
 
-    return start
+    def __call__(self, buffer: torch.Tensor, out: torch.Tensor) -> Any:
+        return _Pending(self._thread.submit(self._reduce, buffer, out))
+
+    def _reduce(self, buffer: torch.Tensor, out: torch.Tensor) -> None:
+        out.copy_(ds_comm.quantized_reduce_scatter(buffer, self.groups, op=ds_comm.ReduceOp.SUM, bits=GRADIENT_BITS))
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=True)
+
+
+def quantized_reduction(group: Any) -> QuantizedReduction:
+    """qgZ's reduce-scatter over ZeRO's ``group`` (the world's ranks): see `QuantizedReduction`."""
+    return QuantizedReduction(group)
