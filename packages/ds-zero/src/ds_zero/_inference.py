@@ -24,6 +24,7 @@ from ._model import (
     version,
 )
 from ._not_built import refuse_what_is_not_built
+from ._params import stage3_owner
 from ._policy import require_partitioned_params
 from ._precision import DTYPES, cast_floating_inputs
 from ._sharded import ShardedParams, full_state_dict
@@ -69,7 +70,7 @@ class ZeroInference:
         if not params:
             raise ValueError("ZeroInference: the model has no parameter to partition")
         for p in params:
-            if hasattr(p, "_ds_stage3"):
+            if stage3_owner(p) is not None:
                 raise ValueError(f"ZeroInference: parameter {param_name(model, p)} is managed by another stage-3 "
                                  "ZeroOptimizer or ZeroInference; close() that one first")
         if precision != "fp32":

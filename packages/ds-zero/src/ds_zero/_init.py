@@ -43,15 +43,16 @@ from ds_io import AioConfig, TensorSwapper
 
 from ._model import gather_init_partitioned, init_shard, is_init_partitioned
 from ._nvme import check_nvme_path, remove_swap_directory
-from ._params import ZeroParamStatus, give_id, set_shard
+from ._params import ZeroParamStatus, give_id, set_shard, stage3_owner
 from ._precision import DTYPES
 from ._stage3 import EXTERNAL, units_of
 from .config import BF16Config, FP16Config, ZeroConfig, mixed_precision
 
 _lock = threading.Lock()
-_active: list[Init] = []  # the Init contexts entered, innermost last
+_active: list[ModulePartitioner] = []  # the partitioners of the Init contexts entered, innermost last
 _originals: dict[type, Any] = {}  # classes whose __init__ is wrapped, and their own __init__
 _building: dict[int, int] = {}  # id(module) -> depth of its constructors running (partition at depth 0)
+_to_empty_hooks: weakref.WeakSet = weakref.WeakSet()  # the to_empty functions put on meta-built modules
 
 
 class Init:
@@ -105,21 +106,25 @@ class Init:
         self.remote_device = remote_device
         self.pin_memory = bool(pin_memory)
         self.device = torch.device(ds_ops.get_accelerator().current_device_name())  # where modules are built
-        # where the slices are kept: the device ("none"), else the host (NVMe: written from there)
-        self._shard_device = self.device if remote_device == "none" else torch.device("cpu")
-        self._store = None  # _NvmeShards: where the slices go with remote_device "nvme"
+        store = None  # _NvmeShards: where the slices go with remote_device "nvme"
         if self.remote_device == "nvme" and self.enabled:
             if offload is None or not offload.nvme_path:
                 raise ValueError("ds_zero.Init: remote_device 'nvme' writes the parameters' slices under the config's "
                                  "zero_optimization.offload_param.nvme_path; give config_dict_or_path with "
                                  "offload_param: {device: nvme, nvme_path: ...}")
-            self._store = _NvmeShards(offload.nvme_path, AioConfig.from_section_or_ds_config(ds_config),
-                                      ds_comm.get_rank())
+            store = _NvmeShards(offload.nvme_path, AioConfig.from_section_or_ds_config(ds_config), ds_comm.get_rank())
+        self._partitioner = ModulePartitioner(
+            group=self.group, device=self.device, dtype=self.dtype, store=store,
+            # where the slices are kept: the device ("none"), else the host (NVMe: written from there)
+            shard_device=self.device if remote_device == "none" else torch.device("cpu"),
+            pin=self.pin_memory and remote_device == "cpu" and self.device.type != "cpu")
         if module is not None and self.enabled:
             for sub in module.modules():
-                self._partition(sub)
+                self._partitioner.partition(sub)
             if any(p.is_meta for p in module.parameters()):
-                _partition_after_to_empty(module, self)
+                _partition_after_to_empty(module, self._partitioner)
+
+    _store = property(lambda self: self._partitioner.store)  # read-only, for a test written against it
 
     def __enter__(self) -> Init:
         if not self.enabled:
@@ -127,7 +132,7 @@ class Init:
         with _lock:
             if not _active:
                 _wrap_every_module_class()
-            _active.append(self)
+            _active.append(self._partitioner)
             # As DeepSpeed's Init, tensors are created in the 16-bit dtype: a layer's initial weights are
             # drawn in it (not drawn in float32 and rounded), so they are DeepSpeed's bit for bit.
             self._default_dtype = torch.get_default_dtype()
@@ -144,21 +149,34 @@ class Init:
         if not self.enabled:
             return
         with _lock:
-            _active.remove(self)
+            _active.remove(self._partitioner)
             torch.set_default_dtype(self._default_dtype)
             if self.device.type != "cpu":
                 torch.set_default_device(None if self._default_device.type == "cpu" else self._default_device)
             if not _active:
                 _unwrap_every_module_class()
 
-    def _partition(self, module: nn.Module) -> None:
+
+class ModulePartitioner:
+    """What `Init` does to each module built under it (or given to it): keep only this rank's slice of the
+    module's own parameters. ``group``: the data-parallel group; ``device``: where each parameter is
+    broadcast (and its empty tensor lives); ``dtype``: the parameters' dtype (None: as built);
+    ``shard_device``: where the slices are kept, page-locked with ``pin``; ``store``: `_NvmeShards` for
+    ``remote_device="nvme"``, else None."""
+
+    def __init__(self, *, group: Any, device: torch.device, dtype: torch.dtype | None, shard_device: torch.device,
+                 pin: bool, store: _NvmeShards | None):
+        self.group, self.device, self.dtype = group, device, dtype
+        self.shard_device, self.pin, self.store = shard_device, pin, store
+
+    def partition(self, module: nn.Module) -> None:
         """Keep only this rank's slice of ``module``'s own parameters (not yet partitioned ones): each is
         broadcast on the device (a module given to ``Init(module=...)`` moves there one parameter at a
         time), and its slice kept where ``remote_device`` says."""
         world, rank = ds_comm.get_world_size(self.group), ds_comm.get_rank(self.group)
         source = ds_comm.get_global_rank(self.group, 0) if self.group is not None else 0
         for p in module.parameters(recurse=False):
-            if is_init_partitioned(p) or hasattr(p, "_ds_stage3") or p.is_meta:  # meta: at to_empty (skip_init)
+            if is_init_partitioned(p) or stage3_owner(p) is not None or p.is_meta:  # meta: at to_empty (skip_init)
                 continue
             data = p.data.to(self.device)
             if self.dtype is not None and data.is_floating_point():
@@ -167,8 +185,8 @@ class Init:
             ds_comm.broadcast(data, src=source, group=self.group)
             shard = -(-data.numel() // world)
             flat = data.reshape(-1)
-            mine = torch.zeros(shard, dtype=data.dtype, device=self._shard_device)
-            if self.pin_memory and self.remote_device == "cpu" and self.device.type != "cpu":
+            mine = torch.zeros(shard, dtype=data.dtype, device=self.shard_device)
+            if self.pin:
                 mine = ds_ops.get_accelerator().pin_memory(mine)
             lo, hi = min(rank * shard, flat.numel()), min((rank + 1) * shard, flat.numel())
             mine[:hi - lo].copy_(flat[lo:hi])
@@ -177,8 +195,8 @@ class Init:
             p.ds_init_group, p.ds_init_shard = self.group, True
             give_id(p)
             p.ds_status, p.ds_persist = ZeroParamStatus.NOT_AVAILABLE, False
-            if self._store is not None:
-                self._store.put(p, mine, self.device)
+            if self.store is not None:
+                self.store.put(p, mine, self.device)
             else:  # as DeepSpeed's: the parameter empty (on the device), its shard in ds_tensor
                 set_shard(p, mine)
                 p.data = torch.empty(0, dtype=mine.dtype, device=self.device)
@@ -264,28 +282,28 @@ def _wrap(cls: type) -> None:
             if not _building[key]:
                 del _building[key]
         if key not in _building and _active:  # the outermost constructor of this module returned
-            _active[-1]._partition(module)
+            _active[-1].partition(module)
             if any(p.is_meta for p in module.parameters()):
                 _partition_after_to_empty(module, _active[-1])
 
     cls.__init__ = init
 
 
-def _partition_after_to_empty(module: nn.Module, init: Init) -> None:
+def _partition_after_to_empty(module: nn.Module, partitioner: ModulePartitioner) -> None:
     """A module built on the meta device (``torch.nn.utils.skip_init``: ``cls(..., device="meta")``, then
     ``to_empty``) is partitioned when ``to_empty`` gives its parameters memory, as DeepSpeed's Init does:
     with the values ``to_empty`` left (uninitialised; rank 0's, broadcast). The hook is on the instance
     and goes at that call (with those of its submodules: one partitioning covers them all)."""
     def to_empty(*args: Any, **kwargs: Any) -> nn.Module:
         for sub in module.modules():
-            if getattr(sub.__dict__.get("to_empty"), "_ds_partition_after", False):
+            if sub.__dict__.get("to_empty") in _to_empty_hooks:
                 del sub.__dict__["to_empty"]
         result = module.to_empty(*args, **kwargs)
         for sub in module.modules():
-            init._partition(sub)
+            partitioner.partition(sub)
         return result
 
-    to_empty._ds_partition_after = True
+    _to_empty_hooks.add(to_empty)
     module.__dict__["to_empty"] = to_empty
 
 

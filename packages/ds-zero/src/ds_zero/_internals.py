@@ -4,10 +4,13 @@ The checkpoint (`_checkpoint`, `_checkpoint_tp`), DeepSpeed's state-access API (
 ZeRO-Infinity's step (`_offload.nvme_step`) read the optimizer's public attributes (``model``,
 ``optimizer``, ``layout``, ``policy``, ``group``, ``rank``, ``world_size``, ``device``, ``scaler``,
 ``checkpoint_names``, ``skipped_steps``) and, for what it keeps to itself, this protocol; never its private
-attributes. Offsets of a parameter's pieces are in its `ParamRecord` (``records``)."""
+attributes. Offsets of a parameter's pieces are in its `ParamRecord` (``records``). `OptimizerInternals` is the
+protocol over the optimizer's parts, handed to it explicitly: its `ZeroBuffers`, `GradientReducer` and
+`LoopCounters`."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -15,11 +18,14 @@ import torch
 if TYPE_CHECKING:
     from torch import nn
 
+    from ._buffers import ZeroBuffers
+    from ._counters import LoopCounters
     from ._frozen import FrozenShards
     from ._nvme import NvmeOptimizer
     from ._offload import HostOffload
     from ._precision import AdamRecipe
     from ._records import ParamRecords
+    from ._reduction import GradientReducer
 
 
 class ZeroInternals(Protocol):
@@ -100,3 +106,58 @@ class ZeroInternals(Protocol):
 
     def next_reduction(self) -> None:
         """A 1-bit optimizer's (loaded) step decides whether the next gradients are averaged."""
+
+
+class OptimizerInternals:
+    """`ZeroInternals` over one `ZeroOptimizer`'s parts (a view: it reads their current state). ``next_reduction``:
+    the optimizer's own (a 1-bit optimizer decides whether the next gradients are averaged)."""
+
+    __slots__ = ("_buffers", "_counters", "_next_reduction", "_reducer")
+
+    def __init__(self, *, buffers: ZeroBuffers, reducer: GradientReducer, counters: LoopCounters,
+                 next_reduction: Callable[[], None]):
+        self._buffers, self._reducer, self._counters = buffers, reducer, counters
+        self._next_reduction = next_reduction
+
+    records = property(lambda self: self._buffers.records)
+    step_tensors = property(lambda self: self._buffers.step_params)
+    flat = property(lambda self: self._buffers.flat)
+    nvme = property(lambda self: self._buffers.nvme)
+    host = property(lambda self: self._buffers.host)
+    frozen = property(lambda self: self._buffers.frozen)
+    recipe = property(lambda self: self._buffers.recipe)
+    replica_groups = property(lambda self: self._buffers.replica_groups)
+    closed = property(lambda self: self._counters.closed)
+    accumulated = property(lambda self: self._reducer.accumulated)
+    boundary_reduced = property(lambda self: self._reducer.boundary_reduced)
+    grad_buffer = property(lambda self: self._buffers.grads)
+    grad_partition = property(lambda self: self._buffers.partition)
+
+    @property
+    def master(self) -> torch.Tensor:
+        return self._buffers.flat if self._buffers.master is None else self._buffers.master
+
+    @property
+    def has_master_copy(self) -> bool:
+        return self._buffers.master is not None
+
+    @property
+    def micro_step(self) -> int:
+        return self._counters.micro_step
+
+    @micro_step.setter
+    def micro_step(self, value: int) -> None:
+        self._counters.micro_step = int(value)
+
+    def wait_reductions(self) -> None:
+        self._reducer.finish_in_flight()
+
+    def gradients_changed(self) -> None:
+        if self._buffers.host is not None:
+            self._buffers.host.forget_downloads()
+
+    def master_loaded(self) -> None:
+        self._buffers.master_loaded()
+
+    def next_reduction(self) -> None:
+        self._next_reduction()

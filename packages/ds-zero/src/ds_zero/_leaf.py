@@ -7,6 +7,9 @@ them); as a leaf, every rank gathers the whole block. Experts a rank did not use
 backward and count as zero (``ignore_unused_parameters``, the default). Also useful for a module made of
 very many tiny ones (fewer hooks). Flags are read when `ZeroOptimizer` (or `ZeroInference`) lays out the
 model at stage 3: set them before.
+
+The flag is DeepSpeed's attribute ``_z3_leaf`` on the module (code that sets it by hand, as DeepSpeed's own does,
+keeps working); only `z3_leaf_module` reads it and only `set_z3_leaf_module` writes it.
 """
 
 from __future__ import annotations
@@ -18,11 +21,12 @@ import torch
 from torch import nn
 
 logger = logging.getLogger(__name__)
+_FLAG = "_z3_leaf"  # DeepSpeed's name for the flag on a module
 
 
 def z3_leaf_module(model: nn.Module) -> bool:
     """Whether ``model`` is flagged as a leaf."""
-    return bool(getattr(model, "_z3_leaf", False))
+    return bool(getattr(model, _FLAG, False))
 
 
 def z3_leaf_parameter(param: torch.Tensor) -> bool:
@@ -36,7 +40,8 @@ def get_z3_leaf_modules(model: nn.Module) -> list[nn.Module]:
 
 
 def set_z3_leaf_module(model: nn.Module, flag: bool) -> None:
-    model._z3_leaf = flag
+    """Flag ``model`` as a leaf (``flag`` True) or not."""
+    setattr(model, _FLAG, flag)
 
 
 def _qualified(module: nn.Module) -> str:
@@ -52,7 +57,7 @@ def _set_by_class(model: nn.Module, classes: Any, flag: bool, raise_if_not_found
         for wanted in classes:
             if (isinstance(wanted, type) and isinstance(module, wanted)) or \
                     (isinstance(wanted, str) and wanted in (type(module).__name__, _qualified(module))):
-                module._z3_leaf = flag
+                set_z3_leaf_module(module, flag)
                 matched.append(module)
                 break
     if not matched and raise_if_not_found:
@@ -78,7 +83,7 @@ def set_z3_leaf_modules_by_name(model: nn.Module, module_names: list[str], flag:
     matched, missing = [], []
     for name in module_names:
         if name in by_name:
-            by_name[name]._z3_leaf = flag
+            set_z3_leaf_module(by_name[name], flag)
             matched.append(by_name[name])
         else:
             missing.append(name)
@@ -96,7 +101,7 @@ def set_z3_leaf_modules_by_suffix(model: nn.Module, module_name_suffixes: list[s
     for suffix in module_name_suffixes:
         hits = [module for name, module in model.named_modules() if name.endswith(suffix)]
         for module in hits:
-            module._z3_leaf = flag
+            set_z3_leaf_module(module, flag)
             matched.setdefault(id(module), module)
         if not hits:
             missing.append(suffix)

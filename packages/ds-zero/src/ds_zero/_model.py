@@ -11,6 +11,8 @@ from torch import nn
 
 import ds_comm
 
+from ._params import stage3_owner
+
 
 def version() -> str:
     from . import __version__
@@ -92,7 +94,7 @@ def is_init_partitioned(p: torch.Tensor) -> bool:
 
 def full_shape(p: torch.Tensor) -> torch.Size:
     """A parameter's whole shape, also while `Init` or stage 3 keeps only a shard of it."""
-    return p.ds_shape if hasattr(p, "ds_shape") and (is_init_partitioned(p) or hasattr(p, "_ds_stage3")) else p.shape
+    return p.ds_shape if hasattr(p, "ds_shape") and (is_init_partitioned(p) or stage3_owner(p) is not None) else p.shape
 
 
 def init_shard(p: torch.Tensor) -> torch.Tensor:

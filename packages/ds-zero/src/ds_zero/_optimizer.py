@@ -52,11 +52,12 @@ import ds_comm
 from ._buffers import ZeroBuffers
 from ._collectives import grad_norm
 from ._compressed import CompressedOptimizer
+from ._counters import LoopCounters
 from ._engine_calls import check_accumulation_steps, empty_partition_cache, grouped, refresh_master
 from ._filling import check_optimizer
 from ._grad_slots import GradientSlots
 from ._groups import mask_padding
-from ._internals import ZeroInternals
+from ._internals import OptimizerInternals, ZeroInternals
 from ._master import MasterStep, master_step
 from ._model import checked_renames, model_device, version
 from ._offload_states import StateMover, movable_states, state_roots, state_views
@@ -141,7 +142,7 @@ class ZeroOptimizer:
         self.tensor_parallel_rank, self.gradient_averaging_size = check_model_parallel(
             tensor_parallel_rank, gradient_averaging_size, model_parallel_group, self.world_size)
         self.scaler = LossScaler(fp16_config) if policy.loss_scaling else None
-        self.skipped_steps = 0
+        self._counters = LoopCounters()  # micro-steps, skipped steps, the boundary set by hand, closed
         holders, replica_groups = adopt_model(model, params, policy, process_groups, group_of, group, self.world_size,
                                               self.device)  # the same model on every rank (`_replicas`)
         self._buffers = buffers = ZeroBuffers(
@@ -176,23 +177,20 @@ class ZeroOptimizer:
             grads=buffers.step_grads, host_grads=buffers.host_grads, host_copies=buffers.host_copies,
             copies=buffers.copies, master_grads=buffers.master_grads, zenflow=self._zenflow)
         link_parameters(self)  # each parameter finds its optimizer (ds_zero.safe_get_full_fp32_param & co)
-        self._micro_step = 0
-        self._boundary_override: bool | None = None  # set_gradient_accumulation_boundary's, None: counted
-        self._last_step_was_boundary = True  # zero_grad zeroes only after a boundary's step
         self._mover = StateMover(  # offload_states / reload_states
             roots=lambda state: state_roots(buffers, self.optimizer, self._reduction_buffers, state),
             views=lambda: state_views(buffers, self.optimizer), movable=movable_states(policy),
             param_device=self.config.offload_param.device if self.config.offload_param is not None else None,
             finish_in_flight=self._reducer.finish_in_flight)
         self._global_grad_norm: float | None = None
-        self._closed = False
         if self.reduce_in_backward:
             self._hooks += [p.register_post_accumulate_grad_hook(self._reducer.on_gradient) for p in params]
 
     @property
     def internals(self) -> ZeroInternals:
         """What this optimizer keeps to itself, for ds-zero's checkpoint and state access (`ZeroInternals`)."""
-        return _Internals(self, self._buffers)
+        return OptimizerInternals(buffers=self._buffers, reducer=self._reducer, counters=self._counters,
+                                  next_reduction=self._next_reduction)
 
     @property
     def stage(self) -> int:
@@ -204,20 +202,13 @@ class ZeroOptimizer:
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether the current micro-step ends an accumulation (its ``step()`` updates the model):
         counted from the micro-steps, unless `set_gradient_accumulation_boundary` says otherwise."""
-        if self._boundary_override is not None:
-            return self._boundary_override
-        if self._zenflow is not None:
-            return self._zenflow.is_update_boundary(self._micro_step)
-        return (self._micro_step + 1) % self.gradient_accumulation_steps == 0
+        return self._counters.is_boundary(self.gradient_accumulation_steps, self._zenflow)
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
         """Decide the boundary by hand (DeepSpeed's engine method): False accumulates the next backwards
         without reducing (stages 0-1) and makes ``step()`` count a micro-step only; True makes the next
         backward reduce and ``step()`` update. None goes back to counting ``gradient_accumulation_steps``."""
-        if is_boundary is not None and not isinstance(is_boundary, bool):
-            raise ValueError(f"set_gradient_accumulation_boundary: is_boundary must be True, False or None, got "
-                             f"{is_boundary!r}")
-        self._boundary_override = is_boundary
+        self._counters.override_boundary(is_boundary)
 
     @property
     def loss_scale(self) -> float:
@@ -235,7 +226,7 @@ class ZeroOptimizer:
         if self.scaler is not None:
             loss = loss.float() * self.scaler.scale
         if self._zenflow is not None:
-            self._zenflow.before_backward(self._micro_step, lambda: master_from_model(
+            self._zenflow.before_backward(self._counters.micro_step, lambda: master_from_model(
                 self._buffers.host, self._buffers.step_params, self._buffers.host_copies))
         with GradientSlots.running(self):  # another optimizer's hooks firing in it know it is not theirs
             loss.backward(retain_graph=retain_graph)
@@ -256,13 +247,11 @@ class ZeroOptimizer:
         """At an accumulation boundary: wait for the reductions, check for overflow (fp16), clip,
         step, gather; returns True, or False when an overflow skipped the step (on every rank).
         Between boundaries: count the micro-step and return False."""
-        if self._closed:
-            raise RuntimeError("ZeroOptimizer.step: this optimizer was closed")
+        self._counters.check_open("step")
         boundary = self.is_gradient_accumulation_boundary
         if self._zenflow is not None:
             self._zenflow.refresh_options(self.optimizer)
-        self._micro_step += 1
-        self._last_step_was_boundary = boundary
+        self._counters.count(boundary)
         if not boundary:
             return False
         waited = time.perf_counter()
@@ -284,13 +273,13 @@ class ZeroOptimizer:
             if not math.isfinite(float(norm)):
                 before = self.scaler.scale
                 self.scaler.update(True)
-                self.skipped_steps += 1
+                self._counters.skipped_steps += 1
                 self._global_grad_norm = None
                 logger.warning("fp16: gradient overflow, step skipped (loss scale %g -> %g)", before, self.scaler.scale)
                 return False
             self.scaler.update(False)
         elif self.policy.check_overflow and not math.isfinite(float(norm)):
-            self.skipped_steps += 1
+            self._counters.skipped_steps += 1
             self._global_grad_norm = None
             logger.warning("bf16: a gradient is inf or NaN, step skipped (bf16.check_grad_overflow)")
             return False
@@ -306,7 +295,7 @@ class ZeroOptimizer:
         """Zero the accumulated gradients (between boundaries this would drop micro-steps: it is a
         no-op there, as the accumulation needs them). ``set_to_none`` is accepted as torch's optimizers take
         it: at stages 0-1 each ``.grad`` stays its (zeroed) view of ZeRO's buffer, at stages 2-3 it is None."""
-        if not self._last_step_was_boundary:
+        if not self._counters.last_step_was_boundary:
             return
         self._buffers.zero_grads()
         if self._buffers.grads is not None:
@@ -316,7 +305,7 @@ class ZeroOptimizer:
         """Detach from the model and free what ds-zero holds for training: the gradient hooks (and
         fp16.auto_cast's), gradients, reduction buffers, optimizer states and the master copy. The
         model keeps its current parameters and trains no further through this optimizer."""
-        if self._closed:
+        if self._counters.closed:
             return
         self._reducer.close()
         if self._zenflow is not None:  # its CPU step in flight
@@ -326,7 +315,17 @@ class ZeroOptimizer:
         self._hooks.clear()
         self._buffers.close(self.optimizer)
         self._master_step = None
-        self._closed = True
+        self._counters.closed = True
+
+    @property
+    def skipped_steps(self) -> int:
+        """Boundary steps skipped because a gradient overflowed (fp16, ``bf16.check_grad_overflow``); a
+        checkpoint saves and restores it."""
+        return self._counters.skipped_steps
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: int) -> None:
+        self._counters.skipped_steps = int(value)
 
     def get_global_grad_norm(self) -> float | None:
         """The L2 norm of the whole (reduced, unscaled, unclipped) gradient at the last step; None
@@ -387,20 +386,17 @@ class ZeroOptimizer:
         """This rank's part: the optimizer's state over its shards, the float32 master copy (16-bit
         models), the loss scaler (fp16), what it was laid out for, and at stage 3 this rank's shards of
         the parameters (the model's own ``state_dict()`` holds empty tensors there)."""
-        return rank_state(self._identity(), self._buffers, self.optimizer, self.scaler, micro_step=self._micro_step,
-                          skipped_steps=self.skipped_steps)
+        return rank_state(self._identity(), self._buffers, self.optimizer, self.scaler,
+                          micro_step=self._counters.micro_step, skipped_steps=self._counters.skipped_steps)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load a `state_dict` saved by the same rank of the same layout (loading on another world
         size or stage is the checkpoint issue's reshaping). Every rank calls it: with a master copy
         the parameters are set from it and gathered (at stage 3, from the shards in the state)."""
         load_rank_state(state, self._identity(), self._buffers, self.optimizer, self.scaler,
-                        optimizer_loaded=self._next_reduction, set_counters=self._set_counters)
+                        optimizer_loaded=self._next_reduction, set_counters=self._counters.restore)
         if needs_refresh(self._buffers):
             self._buffers.refresh_parameters()
-
-    def _set_counters(self, micro_step: int, skipped_steps: int) -> None:
-        self._micro_step, self.skipped_steps = micro_step, skipped_steps
 
     # ------------------------------------------------------------------------------- offload states
     def offload_states(self, include: Iterable[OffloadStateTypeEnum] | None = None,
@@ -411,11 +407,11 @@ class ZeroOptimizer:
         pinned memory with ``pin_memory``. Call it between (micro-)steps; `reload_states`
         brings them back. A state already offloaded, or already on the host, is not moved again. Gradient
         reductions still in flight (stages 2-3 between micro-steps) are completed first (`_offload_states`)."""
-        self._mover.offload(include, device, pin_memory=pin_memory, non_blocking=non_blocking, closed=self._closed)
+        self._mover.offload(include, device, pin_memory=pin_memory, non_blocking=non_blocking, closed=self._counters.closed)
 
     def reload_states(self, non_blocking: bool = False) -> None:
         """Move every state `offload_states` moved back to the device it came from."""
-        self._mover.reload(non_blocking=non_blocking, closed=self._closed)
+        self._mover.reload(non_blocking=non_blocking, closed=self._counters.closed)
 
     @property
     def offloaded_states(self) -> set[OffloadStateTypeEnum]:
@@ -447,9 +443,9 @@ class ZeroOptimizer:
         """Accumulate ``steps`` micro-steps per optimizer step from the next accumulation on. Only at an
         accumulation's start (between a boundary's step and the next backward): a RuntimeError otherwise."""
         self.gradient_accumulation_steps = check_accumulation_steps(
-            steps, reduce_in_backward=self.reduce_in_backward, accumulating=not self._last_step_was_boundary or
+            steps, reduce_in_backward=self.reduce_in_backward, accumulating=not self._counters.last_step_was_boundary or
             self._reducer.accumulated or self._reducer.fired)
-        self._micro_step = 0  # the next micro-step starts an accumulation of the new length
+        self._counters.micro_step = 0  # the next micro-step starts an accumulation of the new length
 
     def refresh_fp32_params(self) -> None:
         """Take the float32 master copy again from the model's parameters (DeepSpeed's name), after
@@ -505,54 +501,3 @@ def _build_optimizer(optimizer: Any, optimizer_kwargs: dict[str, Any] | None, bu
         mask_padding(built, tensors, buffers.owned, buffers.layout)
     return built
 
-
-class _Internals:
-    """`ZeroInternals` over one `ZeroOptimizer` (a view: it reads the optimizer's current parts)."""
-
-    __slots__ = ("_buffers", "_zero")
-
-    def __init__(self, zero: ZeroOptimizer, buffers: ZeroBuffers):
-        self._zero, self._buffers = zero, buffers
-
-    records = property(lambda self: self._buffers.records)
-    step_tensors = property(lambda self: self._buffers.step_params)
-    flat = property(lambda self: self._buffers.flat)
-    nvme = property(lambda self: self._buffers.nvme)
-    host = property(lambda self: self._buffers.host)
-    frozen = property(lambda self: self._buffers.frozen)
-    recipe = property(lambda self: self._buffers.recipe)
-    replica_groups = property(lambda self: self._buffers.replica_groups)
-    closed = property(lambda self: self._zero._closed)
-    accumulated = property(lambda self: self._zero._reducer.accumulated)
-    boundary_reduced = property(lambda self: self._zero._reducer.boundary_reduced)
-    grad_buffer = property(lambda self: self._buffers.grads)
-    grad_partition = property(lambda self: self._buffers.partition)
-
-    @property
-    def master(self) -> torch.Tensor:
-        return self._buffers.flat if self._buffers.master is None else self._buffers.master
-
-    @property
-    def has_master_copy(self) -> bool:
-        return self._buffers.master is not None
-
-    @property
-    def micro_step(self) -> int:
-        return self._zero._micro_step
-
-    @micro_step.setter
-    def micro_step(self, value: int) -> None:
-        self._zero._micro_step = int(value)
-
-    def wait_reductions(self) -> None:
-        self._zero.wait_reductions()
-
-    def gradients_changed(self) -> None:
-        if self._buffers.host is not None:
-            self._buffers.host.forget_downloads()
-
-    def master_loaded(self) -> None:
-        self._buffers.master_loaded()
-
-    def next_reduction(self) -> None:
-        self._zero._next_reduction()

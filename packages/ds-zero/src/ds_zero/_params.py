@@ -13,6 +13,9 @@ A partitioned parameter is empty (``numel() == 0``) and carries, as in DeepSpeed
   ``AVAILABLE`` whole here);
 * ``ds_id``: a number unique to the parameter in this process, given in creation order;
 * ``ds_persist``: whole on every rank throughout (its unit is below ``stage3_param_persistence_threshold``).
+
+Which `Stage3` partitions a parameter (and in which of its units) is ds-zero's own mark, not DeepSpeed's: it
+is set, read and dropped only through `mark_stage3`, `stage3_owner` and `unmark_stage3`.
 """
 
 from __future__ import annotations
@@ -34,6 +37,26 @@ class ZeroParamStatus(Enum):
 
 
 _ids = itertools.count()
+_STAGE3 = "_ds_stage3"  # the mark: (the Stage3 partitioning the parameter, the index of its unit there)
+
+
+def stage3_owner(p: torch.Tensor) -> tuple[Any, int] | None:
+    """The `Stage3` partitioning ``p`` and the index of ``p``'s unit in it, or None."""
+    return getattr(p, _STAGE3, None)
+
+
+def mark_stage3(p: torch.Tensor, owner: Any, unit_index: int) -> None:
+    """``owner`` (a `Stage3`) partitions ``p``, in its unit ``unit_index``."""
+    setattr(p, _STAGE3, (owner, unit_index))
+
+
+def unmark_stage3(p: torch.Tensor, owner: Any) -> bool:
+    """``owner`` partitions ``p`` no more: the mark goes if ``owner`` set it. Whether it did."""
+    mark = getattr(p, _STAGE3, None)
+    if mark is None or mark[0] is not owner:
+        return False
+    delattr(p, _STAGE3)
+    return True
 
 
 def give_id(p: torch.Tensor) -> None:
@@ -65,7 +88,7 @@ class GatheringParameters(dict):
 
     def __getitem__(self, key: str) -> Any:
         param = dict.__getitem__(self, key)
-        owner = getattr(param, "_ds_stage3", None) if param is not None else None
+        owner = getattr(param, _STAGE3, None) if param is not None else None  # stage3_owner, inline: every read
         if owner is not None:
             owner[0].fetch_external(param)
         return param
@@ -87,5 +110,5 @@ def uninstall(modules: list[nn.Module]) -> None:
     for module in modules:
         params = module.__dict__.get("_parameters")
         if isinstance(params, GatheringParameters) and not any(
-                hasattr(p, "_ds_stage3") for p in dict.values(params) if p is not None):
+                stage3_owner(p) is not None for p in dict.values(params) if p is not None):
             module.__dict__["_parameters"] = dict(params)
