@@ -71,12 +71,12 @@ class _FrozenStage3(Stage3):
             return self.peer.unpack_saved(saved.inner)
         return super().unpack_saved(saved)
 
-    def _backward_request(self, unit) -> None:
+    def backward_request(self, unit) -> None:
         last = self._last_backward
         if last is not None and last != unit.index:
             self.release(self.units[last])
         self._last_backward = unit.index
-        super()._backward_request(unit)
+        super().backward_request(unit)
 
     def after_backward(self) -> None:
         self._last_backward = None

@@ -43,9 +43,9 @@ from ds_io import AioConfig, TensorSwapper
 
 from ._model import gather_init_partitioned, init_shard, is_init_partitioned
 from ._nvme import check_nvme_path, remove_swap_directory
-from ._params import ZeroParamStatus, give_id, set_shard, stage3_owner
+from ._params import ZeroParamStatus, give_id, set_shard, stage3_owner, units_of
 from ._precision import DTYPES
-from ._stage3 import EXTERNAL, units_of
+from ._stage3 import EXTERNAL
 from .config import BF16Config, FP16Config, ZeroConfig, mixed_precision
 
 _lock = threading.Lock()

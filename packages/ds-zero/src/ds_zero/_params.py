@@ -21,6 +21,7 @@ is set, read and dropped only through `mark_stage3`, `stage3_owner` and `unmark_
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterable
 from enum import Enum
 from typing import Any
 
@@ -48,6 +49,19 @@ def stage3_owner(p: torch.Tensor) -> tuple[Any, int] | None:
 def mark_stage3(p: torch.Tensor, owner: Any, unit_index: int) -> None:
     """``owner`` (a `Stage3`) partitions ``p``, in its unit ``unit_index``."""
     setattr(p, _STAGE3, (owner, unit_index))
+
+
+def units_of(params: Iterable[torch.Tensor]) -> dict[Any, list[Any]]:
+    """The stage-3 units holding ``params``, by owner (the `Stage3` that marked them)."""
+    out: dict[Any, list[Any]] = {}
+    for p in params:
+        owner = stage3_owner(p)
+        if owner is not None:
+            stage3, index = owner
+            units = out.setdefault(stage3, [])
+            if stage3.units[index] not in units:
+                units.append(stage3.units[index])
+    return out
 
 
 def unmark_stage3(p: torch.Tensor, owner: Any) -> bool:

@@ -34,6 +34,7 @@ from ._compressed import CompressedOptimizer
 from ._half import implied_precision
 from ._model import param_name, version
 from ._not_built import refuse_what_is_not_built
+from ._params import stage3_owner
 from ._precision import BF16_MASTER, DTYPES, communication_dtype
 from ._replicas import refuse_replicas
 from ._zenflow import check_zenflow
@@ -118,7 +119,7 @@ class ZeroPolicy:
     def check_params(self, model: nn.Module, params: list[nn.Parameter]) -> None:
         """The trainable parameters: not another stage-3 optimizer's, and in a dtype this precision trains."""
         for p in params:
-            if hasattr(p, "_ds_stage3"):
+            if stage3_owner(p) is not None:
                 raise ValueError(f"ZeroOptimizer: parameter {param_name(model, p)} is managed by another stage-3 "
                                  "ZeroOptimizer; close() that one first")
             if p.dtype not in (torch.float32, self.dtype):

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,7 +43,17 @@ from torch import nn
 import ds_comm
 
 from ._layout import Bucket, FlatLayout
-from ._params import ZeroParamStatus, forget, give_id, install, set_shard, uninstall
+from ._params import (
+    ZeroParamStatus,
+    forget,
+    give_id,
+    install,
+    mark_stage3,
+    set_shard,
+    stage3_owner,
+    uninstall,
+    unmark_stage3,
+)
 from ._pool import GatherPool
 from ._stage3_guard import END_OF_BACKWARD, END_OF_FORWARD, PathGuard
 from ._stage3_offload import ShardMover, offload_param_device
@@ -135,7 +145,7 @@ class Stage3:
         owners = self._owners()
         for p, (unit, k) in owners.items():
             p.ds_shape, p.ds_numel = unit.shapes[k], unit.shapes[k].numel()
-            p._ds_stage3 = (self, unit.index)
+            mark_stage3(p, self, unit.index)
             give_id(p)
             self._set_shard(p, unit, k)
             p.ds_persist = unit.persistent  # DeepSpeed's flag: whole on every rank throughout
@@ -178,7 +188,7 @@ class Stage3:
         """``p`` was read while a forward runs (`GatheringParameters`), outside its own module's forward
         when it is not whole: as DeepSpeed, it becomes an external parameter of the running module
         (gathered by it from now on) and is gathered now, to be released with that module."""
-        unit = self.units[p._ds_stage3[1]]
+        unit = self.units[stage3_owner(p)[1]]
         if not self._stack or unit.pointed:
             return
         module = self._stack[-1]
@@ -219,16 +229,17 @@ class Stage3:
     def _pre_backward(self, units: list[int]):
         def hook(grad):
             for u in units:
-                self._backward_request(self.units[u])
+                self.backward_request(self.units[u])
         return hook
 
-    def _backward_request(self, unit: Unit) -> None:
+    def backward_request(self, unit: Unit) -> None:
+        """Backward needs ``unit``'s parameters (once per backward, unless released meanwhile)."""
         if unit.index not in self._in_backward or unit.full is None:
             self._in_backward.add(unit.index)
             self.request(unit, "backward")
 
     def _external_units(self, module: nn.Module) -> list[int]:
-        owners = [getattr(p, "_ds_stage3", None) for p in getattr(module, EXTERNAL, ())]
+        owners = [stage3_owner(p) for p in getattr(module, EXTERNAL, ())]
         return [owner[1] for owner in owners if owner is not None and owner[0] is self]
 
     def _begin_forward(self) -> None:
@@ -266,7 +277,7 @@ class Stage3:
         if not isinstance(saved, _Saved):
             return saved
         unit = self.units[saved.unit]
-        self._backward_request(unit)
+        self.backward_request(unit)
         return unit.full.as_strided(saved.size, saved.stride, saved.offset)
 
     # ---------------------------------------------------------------------------- fetch/release
@@ -563,8 +574,7 @@ class Stage3:
         self.pool.clear()
         self.mover.clear()
         for p in (p for unit in self.units for p in unit.params):
-            if getattr(p, "_ds_stage3", (None,))[0] is self:
-                del p._ds_stage3
+            if unmark_stage3(p, self):
                 forget(p)  # whole again: no shard, no status (ds_id stays)
         uninstall(self._modules)
 
@@ -585,15 +595,3 @@ class Stage3:
         """Bytes of released gather buffers kept for reuse."""
         return self.pool.nbytes()
 
-
-def units_of(params: Iterable[nn.Parameter]) -> dict[Stage3, list[Unit]]:
-    """The stage-3 units holding ``params``, by owner."""
-    out: dict[Stage3, list[Unit]] = {}
-    for p in params:
-        owner = getattr(p, "_ds_stage3", None)
-        if owner is not None:
-            stage3, index = owner
-            units = out.setdefault(stage3, [])
-            if stage3.units[index] not in units:
-                units.append(stage3.units[index])
-    return out
