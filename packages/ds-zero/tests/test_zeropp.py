@@ -18,7 +18,7 @@ import torch
 
 import ds_comm
 from ds_comm.testing import spawn
-from ds_zero import GatheredParameters, ZeroOptimizer
+from ds_zero import GatheredParameters, ZeroOptimizer, load_zero_checkpoint, save_zero_checkpoint
 
 
 def _sibling(name: str):
@@ -165,6 +165,45 @@ def test_users_read_the_shards_exact_values(runs):
             probe = out[name]["probe"]
             assert torch.equal(probe["held"], probe["exact"]), name
             assert torch.equal(probe["module's"], probe["exact"]) == ("qwZ" not in name and name != "all"), name
+
+
+def _steps(model, zero, start, stop, rank):
+    for step in range(start, stop):
+        zero.backward(model(_batch(step, 0, rank)))
+        zero.step()
+        zero.zero_grad()
+
+
+def _gathered(model):
+    with GatheredParameters(list(model.parameters())):
+        return [p.detach().clone() for p in model.parameters()]
+
+
+def resumed(rank, world_size, path):
+    torch.manual_seed(0)
+    base = TinyGPT()
+    model = copy.deepcopy(base)
+    zero = ZeroOptimizer(model, torch.optim.AdamW, optimizer_kwargs=ADAMW, config={**STAGE3, **CASES["all"]})
+    _steps(model, zero, 0, 3, rank)
+    at_save = _gathered(model)
+    save_zero_checkpoint(zero, path)
+    _steps(model, zero, 3, 6, rank)
+    uninterrupted = _gathered(model)
+    torch.manual_seed(123)  # another init: everything comes from the checkpoint
+    again = TinyGPT()
+    zero2 = ZeroOptimizer(again, torch.optim.AdamW, optimizer_kwargs=ADAMW, config={**STAGE3, **CASES["all"]})
+    load_zero_checkpoint(zero2, path)
+    _steps(again, zero2, 3, 6, rank)
+    torch.manual_seed(123)
+    plain = TinyGPT()  # plain stage 3 reads the same checkpoint: it holds exact values, no ZeRO++ state
+    zero3 = ZeroOptimizer(plain, torch.optim.AdamW, optimizer_kwargs=ADAMW, config=STAGE3)
+    load_zero_checkpoint(zero3, path)
+    return (all(torch.equal(a, b) for a, b in zip(uninterrupted, _gathered(again), strict=True)),
+            all(torch.equal(a, b) for a, b in zip(at_save, _gathered(plain), strict=True)))
+
+
+def test_a_zeropp_run_resumes_bit_for_bit_from_a_checkpoint_plain_stage_3_reads(tmp_path):
+    assert spawn(resumed, world_size=4, args=(str(tmp_path / "ck"),), env=TWO_BY_TWO, timeout=300) == [(True, True)] * 4
 
 
 def refusals(rank, world_size):
