@@ -398,6 +398,7 @@ class Stage3:
         if unit.work is not None:
             self.guard.wait(unit.work, unit.index)
             unit.work = None
+            self.gatherer.landed(unit.index, unit.full)
         if not unit.pointed:
             for p, shape, offset in zip(unit.params, unit.shapes, unit.offsets, strict=True):
                 p.data = unit.full[offset:offset + shape.numel()].view(shape)

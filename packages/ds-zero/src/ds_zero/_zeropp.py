@@ -72,26 +72,6 @@ def _whole_world(group: Any, what: str) -> None:
                                   f"pipeline or sequence parallelism) is not implemented in ds-zero {version()}")
 
 
-class _Then:
-    """A gather's handle whose first ``wait()`` also keeps the secondary copy (hpZ)."""
-
-    def __init__(self, work: Any, then: Any):
-        self._work, self._then = work, then
-
-    def wait(self, *args: Any, **kwargs: Any) -> Any:
-        result = self._work.wait(*args, **kwargs)
-        if self._then is not None:
-            then, self._then = self._then, None
-            then()
-        return result
-
-    def is_completed(self) -> bool:
-        return self._work.is_completed()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._work, name)
-
-
 class UnitGathers:
     """How one `Stage3` gathers its units (see the module docstring): ``quantized`` (qwZ) and ``hpz`` ranks per
     secondary partition (hpZ; 1: off), over ZeRO's ``group``. Creating it with hpZ makes the hpZ groups: a
@@ -121,6 +101,7 @@ class UnitGathers:
                                "the backward's gathers cross nodes (set it to the ranks per node)", self.hpz, per_node)
         self._secondary: dict[int, torch.Tensor] = {}  # unit index -> this rank's 1/hpz of the unit (hpZ)
         self._inexact: set[int] = set()  # units whose gathered buffer holds qwZ's dequantized values
+        self._to_keep: set[int] = set()  # forward gathers in flight whose secondary copy `landed` keeps (hpZ)
 
     @property
     def plain(self) -> bool:
@@ -141,7 +122,7 @@ class UnitGathers:
             work = ds_comm.all_gather_bucket(full, source, group=self.group, async_op=True)
             self._inexact.discard(index)
         if phase == "forward" and self.hpz > 1 and torch.is_grad_enabled():
-            return _Then(work, lambda: self._keep(index, full))
+            self._to_keep.add(index)
         return work
 
     def scratch(self, numel: int, dtype: torch.dtype, device: torch.device, index: int, phase: str | None) -> Any:
@@ -155,7 +136,12 @@ class UnitGathers:
         return ds_comm.all_gather_bucket(torch.empty(numel, dtype=dtype, device=device), group=self.group,
                                          async_op=True)
 
-    def _keep(self, index: int, full: torch.Tensor) -> None:
+    def landed(self, index: int, full: torch.Tensor) -> None:
+        """Unit ``index``'s gather into ``full`` completed (its parameters point at it now): a forward's keeps
+        this rank's secondary copy."""
+        if index not in self._to_keep:
+            return
+        self._to_keep.discard(index)
         part = full.view(self.hpz, -1)[self.hpz_rank]
         kept = self._secondary.get(index)
         if kept is None or kept.numel() != part.numel():
@@ -177,6 +163,7 @@ class UnitGathers:
 
     def released(self, index: int) -> None:
         self._inexact.discard(index)
+        self._to_keep.discard(index)
 
     def secondary_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._secondary.values())
