@@ -67,7 +67,6 @@ REFUSED = {
     "tensor_parallel.tp_overlap_comm": (True, "config"), "tensor_parallel.tp.tp_grain_size": (2, "config"),
     "tensor_parallel.keep_module_on_host": (True, "config"), "gradient_allreduce_op": ("sum", "config"),
     "managed_gradient_accumulation": (False, "config"), "compile.deepcompile": (True, "config"),
-    "zero_optimization.zero_quantized_nontrainable_weights": (True, "ds-zero"),
     "zero_optimization.mics_shard_size": (2, "ds-zero"),
     "zero_optimization.mics_hierarchical_params_gather": (True, "ds-zero"),
     "zero_optimization.legacy_stage1": (True, "ds-zero"),

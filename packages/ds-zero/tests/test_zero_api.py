@@ -162,8 +162,6 @@ def test_state_dict_round_trip_resumes_exactly(stage):
     ({"bf16": {"enabled": True}, "communication_data_type": "int8"}, ValueError,
      'communication_data_type must be "fp32", "fp16" or "bf16" (or null), got \'int8\''),
     ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, ValueError, "both true"),
-    ({"config": {"stage": 3, "zero_quantized_nontrainable_weights": True}}, NotImplementedError,
-     "zero_quantized_nontrainable_weights .ZeRO.. quantized frozen weights, MixZ... is not implemented"),
     ({"config": {"mics_hierarchical_params_gather": True}}, NotImplementedError, "mics_hierarchical_params_gather (MiCS)"),
     ({"config": {"stage": 3, "offload_optimizer": {"device": "cpu"}, "zenflow": {"topk_ratio": 0.1}}},
      NotImplementedError, "zero_optimization.zenflow at stage 3 is not implemented"),

@@ -206,11 +206,55 @@ def test_a_zeropp_run_resumes_bit_for_bit_from_a_checkpoint_plain_stage_3_reads(
     assert spawn(resumed, world_size=4, args=(str(tmp_path / "ck"),), env=TWO_BY_TWO, timeout=300) == [(True, True)] * 4
 
 
+def mixz(rank, world_size):
+    """MixZ++: TinyGPT with frozen embeddings (a fine-tuning's frozen base), stored quantized."""
+    torch.manual_seed(0)
+    base = TinyGPT()
+    base.tok.requires_grad_(False)
+    base.pos.requires_grad_(False)
+    original = base.tok.weight.detach().clone()
+    out = {}
+    for name, extra in (("plain", {}), ("MixZ++", {"zero_quantized_nontrainable_weights": True})):
+        model = copy.deepcopy(base)
+        zero = ZeroOptimizer(model, torch.optim.AdamW, optimizer_kwargs=ADAMW, config={**STAGE3, **extra})
+        with GatheredParameters([model.tok.weight]):
+            first = model.tok.weight.detach().clone()
+        ds_comm.configure(enabled=True, prof_all=True)
+        ds_comm.comms_logger.reset()
+        losses = []
+        for step in range(6):
+            loss = model(_batch(step, 0, rank))
+            zero.backward(loss)
+            zero.step()
+            zero.zero_grad()
+            losses.append(loss.item())
+        ops = set(_traffic())
+        ds_comm.configure(enabled=False)
+        with GatheredParameters([model.tok.weight]):
+            last = model.tok.weight.detach().clone()
+        out[name] = {"losses": losses, "ops": ops, "params_bytes": zero.memory_bytes()["params"],
+                     "error": float((first - original).abs().max()), "kept": torch.equal(first, last)}
+        zero.close()
+    out["bound"] = float(original.abs().max()) / 127 / 2 * (1 + 2**-15)
+    return out
+
+
+def test_mixz_stores_frozen_weights_as_int8_and_gathers_them_quantized():
+    for out in spawn(mixz, world_size=4, env=TWO_BY_TWO, timeout=300):
+        plain, mixz_ = out["plain"], out["MixZ++"]
+        assert plain["error"] == 0 and 0 < mixz_["error"] <= out["bound"]  # the frozen weights are the int8 ones
+        assert plain["kept"] and mixz_["kept"]  # (and stay so: nothing steps them)
+        # this rank's frozen shard, 2560 / 4 elements: float32 4 bytes each, int8 1 byte plus its scale
+        assert plain["params_bytes"] - mixz_["params_bytes"] >= 0.7 * 2560
+        assert "quantized_all_gather" in mixz_["ops"] and "quantized_all_gather" not in plain["ops"]
+        assert mixz_["losses"] != plain["losses"]
+        assert all(abs(a / b - 1) <= 0.01 for a, b in zip(mixz_["losses"], plain["losses"], strict=True))
+
+
 def refusals(rank, world_size):
     out = []
     model = TinyGPT()
-    for extra, error in (({"zero_hpz_partition_size": 3}, ValueError),
-                         ({"zero_quantized_nontrainable_weights": True}, NotImplementedError)):
+    for extra, error in (({"zero_hpz_partition_size": 3}, ValueError),):
         try:
             ZeroOptimizer(copy.deepcopy(model), torch.optim.AdamW, config={**STAGE3, **extra})
         except error as e:
@@ -219,10 +263,9 @@ def refusals(rank, world_size):
 
 
 def test_refusals_name_the_value_and_the_rule():
-    hpz, mixz = spawn(refusals, world_size=4)[0]
+    (hpz,) = spawn(refusals, world_size=4)[0]
     assert hpz == ("zero_optimization.zero_hpz_partition_size 3 must divide the world size 4 (DeepSpeed's rule: "
                    "each secondary partition is hpz consecutive ranks)")
-    assert "zero_quantized_nontrainable_weights (ZeRO++ quantized frozen weights, MixZ++)" in mixz
 
 
 def below_stage_3(rank, world_size):

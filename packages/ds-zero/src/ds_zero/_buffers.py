@@ -83,7 +83,8 @@ class ZeroBuffers:
             shards=self.nvme if on_disk else None,
             gatherer=UnitGathers(group, quantized=policy.zeropp.quantized_weights, hpz=policy.zeropp.hpz_partition_size))
         frozen = partitioned_frozen(model, policy.shard_params, dtype, managed)  # stage 3: partitioned too (_frozen)
-        self.frozen = FrozenShards(model, frozen, config, group, dtype, self.stage3) if frozen else None
+        self.frozen = FrozenShards(model, frozen, config, group, dtype, self.stage3,
+                                   quantized=policy.zeropp.quantized_nontrainable_weights) if frozen else None
         # the optimizer steps one tensor per run: a bucket's stepped range, split where the option group
         # changes (one run per bucket without param_groups); (bucket, offset in the range, length, group)
         self.runs = step_runs(layout, policy.shard_optimizer, rank, group_of)

@@ -24,6 +24,7 @@ from torch import nn
 
 from ._sharded import ShardedParams
 from ._stage3 import Stage3
+from ._zeropp import QuantizedShards, UnitGathers
 
 
 def partitioned_frozen(model: nn.Module, partitioned: bool, dtype: torch.dtype,
@@ -87,14 +88,20 @@ class FrozenShards:
     """The frozen parameters of a stage-3 model, partitioned (see the module docstring)."""
 
     def __init__(self, model: nn.Module, params: list[nn.Parameter], config: Any, group: Any, dtype: torch.dtype,
-                 peer: Stage3):
+                 peer: Stage3, quantized: bool = False):
         self.params, self.group, self.dtype = params, group, dtype
         self.device = peer.device  # the model's (the partition: there, or on the host with offload_param)
         self._sharded = ShardedParams(model, params, config=config, group=group, dtype=dtype, device=self.device)
         self.world_size, self.rank, self.layout = self._sharded.world_size, self._sharded.rank, self._sharded.layout
+        # MixZ++ (``quantized``): the shards are kept as int8 blocks (`_zeropp.QuantizedShards`), never in float
+        self.store = QuantizedShards(dtype) if quantized else None
+        if self.store is not None:
+            self._sharded.partition = torch.empty(0, dtype=dtype, device=self._sharded.partition.device)
         self._partition = self._sharded.partition
-        self._sharded.fill()  # (whole or built under Init: this rank's shards, then released)
-        self.stage3 = self._sharded.attach(stage3_class=_FrozenStage3)
+        # (whole or built under Init: this rank's shards, then released)
+        self._sharded.fill(on_disk=None if self.store is None else self.store.write_params)
+        self.stage3 = self._sharded.attach(stage3_class=_FrozenStage3, shards=self.store,
+                                           gatherer=UnitGathers(group, quantized=quantized))
         self.stage3.peer = peer
 
     def whole(self) -> dict[int, torch.Tensor]:
@@ -107,4 +114,6 @@ class FrozenShards:
         self._sharded.load_whole(values)
 
     def nbytes(self) -> int:
-        return self._partition.numel() * self._partition.element_size() + self.stage3.held_bytes()
+        stored = self.store.nbytes() if self.store is not None else self._partition.numel() * \
+            self._partition.element_size()
+        return stored + self.stage3.held_bytes()

@@ -29,6 +29,7 @@ from ._policy import require_partitioned_params
 from ._precision import DTYPES, cast_floating_inputs
 from ._sharded import ShardedParams, full_state_dict
 from ._stage3 import Stage3
+from ._zeropp import UnitGathers
 from .config import BF16Config, FP16Config, ZeroConfig, mixed_precision
 
 
@@ -57,6 +58,11 @@ class ZeroInference:
         self.config = ZeroConfig.from_section_or_ds_config(config)
         require_partitioned_params(self.config, "ZeroInference")
         refuse_what_is_not_built(self.config)
+        if self.config.zero_quantized_nontrainable_weights:
+            raise NotImplementedError("ZeroInference: zero_optimization.zero_quantized_nontrainable_weights (MixZ++) "
+                                      f"is implemented for ZeroOptimizer's frozen parameters in ds-zero {version()}, "
+                                      "not for ZeroInference; remove it (zero_quantized_weights quantizes the "
+                                      "gathers)")
         fp16_config = FP16Config.from_section_or_ds_config(fp16)
         precision = mixed_precision(fp16_config, BF16Config.from_section_or_ds_config(bf16))
         if self.config.offload_param is not None and self.config.offload_param.device == "nvme":
@@ -94,7 +100,9 @@ class ZeroInference:
         sharded = ShardedParams(model, params, config=self.config, group=group, dtype=self.dtype, device=self.device)
         self.layout, self._partition = sharded.layout, sharded.partition
         sharded.fill()  # (whole or built under Init: this rank's shards, then released)
-        self._stage3: Stage3 | None = sharded.attach()
+        # qwZ's gathers with zero_quantized_weights (hpZ and qgZ act in a backward: none here)
+        self._stage3: Stage3 | None = sharded.attach(
+            gatherer=UnitGathers(group, quantized=bool(self.config.zero_quantized_weights)))
         self._hooks = []
         if precision == "fp16" and fp16_config.auto_cast:
             self._hooks.append(model.register_forward_pre_hook(cast_floating_inputs(self.dtype), with_kwargs=True))

@@ -7,7 +7,6 @@ from .config import ZeroConfig
 
 # Keys of zero_optimization this version accepts but cannot honour yet, and why.
 _NOT_YET = {
-    "zero_quantized_nontrainable_weights": (False, "ZeRO++ quantized frozen weights, MixZ++"),
     "mics_shard_size": (-1, "MiCS"),
     "mics_hierarchical_params_gather": (False, "MiCS"),
     "legacy_stage1": (False, "DeepSpeed's legacy stage 1"),

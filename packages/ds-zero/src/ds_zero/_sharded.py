@@ -107,7 +107,9 @@ class ShardedParams:
         for unit in self.stage3.units:
             lo = unit.bucket.offset + self.rank * unit.bucket.shard
             start = self.shard_starts[unit.index]
-            shard = self.partition[start:start + unit.bucket.shard]
+            store = self.stage3.shards  # (MixZ++'s quantized shards: read, written again below)
+            shard = self.partition[start:start + unit.bucket.shard] if store is None else \
+                store.start_read_params(start, unit.bucket.shard)[1]
             for p, shape, offset in zip(unit.params, unit.shapes, unit.offsets, strict=True):
                 if id(p) not in values:
                     continue
@@ -116,6 +118,8 @@ class ShardedParams:
                 a, b = max(lo, begin), min(lo + unit.bucket.shard, begin + shape.numel())
                 if a < b:
                     shard[a - lo:b - lo].copy_(flat[a - begin:b - begin])
+            if store is not None:
+                store.write_params(start, shard)
         self.stage3.after_step()
 
 

@@ -182,7 +182,7 @@ class Stage3:
             set_shard(p, self.partition[start:start + count])
         else:
             set_shard(p, torch.empty(0, dtype=self.dtype, device="cpu"), count)
-            p.ds_tensor.final_location = "nvme"
+            p.ds_tensor.final_location = getattr(self.shards, "location", "nvme")
 
     def fetch_external(self, p: nn.Parameter) -> None:
         """``p`` was read while a forward runs (`GatheringParameters`), outside its own module's forward

@@ -16,6 +16,8 @@ branch of its own for them.
   forward/backward is exact, and a unit still gathered by qwZ is gathered exactly again for them (`exact`).
 * **qgZ** (`quantized_reduction`): the gradient reduce-scatter as DeepSpeed's ``all_to_all_quant_reduce``,
   int4 blocks inside the node and across (`ds_comm.quantized_reduce_scatter` over `ds_comm.HierarchicalGroups`).
+* **MixZ++** (`QuantizedShards`, ``zero_quantized_nontrainable_weights``): the frozen parameters' partition stored
+  as int8 blocks, and their units gathered as qwZ gathers (the stored blocks are what travels).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import Any
 import torch
 
 import ds_comm
+import ds_ops
 
 from ._model import version
 
@@ -35,6 +38,7 @@ logger = logging.getLogger(__name__)
 
 WEIGHT_BITS = 8  # qwZ: DeepSpeed's int8 weights
 GRADIENT_BITS = 4  # qgZ: DeepSpeed's int4 gradients (inside the node and across)
+STORE_GROUP = 2048  # MixZ++: elements per scale of the stored frozen weights
 
 
 @dataclass(frozen=True)
@@ -209,3 +213,42 @@ class QuantizedReduction:
 def quantized_reduction(group: Any) -> QuantizedReduction:
     """qgZ's reduce-scatter over ZeRO's ``group`` (the world's ranks): see `QuantizedReduction`."""
     return QuantizedReduction(group)
+
+
+class _Read:
+    """A read of `QuantizedShards` (done when it is returned)."""
+
+    def wait(self) -> None:
+        return None
+
+
+class QuantizedShards:
+    """MixZ++ (``zero_quantized_nontrainable_weights``): a partition of frozen parameters stored as int8 blocks
+    with a float32 scale per `STORE_GROUP` elements, each unit's shard on its own, never held in its float
+    dtype. `Stage3` reads and writes it as it does ZeRO-Infinity's shards on NVMe (``shards=``): a read
+    dequantizes, a write (a `GatheredParameters` modification, a load) quantizes again. The frozen weights
+    *are* the quantized values from then on, as in DeepSpeed."""
+
+    location = "quantized"  # (``ds_tensor.final_location``)
+
+    def __init__(self, dtype: torch.dtype):
+        self.dtype = dtype
+        self._shards: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}  # start -> (q, scales, numel)
+
+    def write_params(self, start: int, values: torch.Tensor) -> None:
+        """Elements ``[start, start + len(values))``: a whole shard, quantized."""
+        q, scales = ds_ops.quantize_blockwise(values.detach().reshape(-1).cpu(), STORE_GROUP, WEIGHT_BITS)
+        self._shards[start] = (q, scales, values.numel())
+
+    def start_read_params(self, start: int, n: int, out: torch.Tensor | None = None,
+                          fetch: bool = True) -> tuple[Any, torch.Tensor]:
+        """The shard written at ``start`` (``n`` elements), dequantized into ``out`` (the store's dtype)."""
+        q, scales, numel = self._shards[start]
+        if numel != n:
+            raise ValueError(f"QuantizedShards: the shard at {start} holds {numel} elements, not {n}")
+        out = torch.empty(n, dtype=self.dtype, device="cpu") if out is None else out  # (the host: a staging read)
+        ds_ops.dequantize_blockwise(q, scales, n, STORE_GROUP, WEIGHT_BITS, out=out)
+        return _Read(), out
+
+    def nbytes(self) -> int:
+        return sum(q.numel() * q.element_size() + s.numel() * s.element_size() for q, s, _ in self._shards.values())
