@@ -107,10 +107,6 @@ class UnitGathers:
         self._inexact: set[int] = set()  # units whose gathered buffer holds qwZ's dequantized values
         self._to_keep: set[int] = set()  # forward gathers in flight whose secondary copy `landed` keeps (hpZ)
 
-    @property
-    def plain(self) -> bool:
-        return not self.quantized and self.hpz == 1
-
     def start(self, index: int, full: torch.Tensor, source: torch.Tensor | None, phase: str | None) -> Any:
         """Issue unit ``index``'s gather into ``full`` (this rank's shard in its place, or ``source``): exact with
         ``phase`` None (outside the forward and backward), else ZeRO++'s way for "forward" or "backward"."""
