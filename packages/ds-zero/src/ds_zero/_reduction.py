@@ -18,7 +18,7 @@ from ._collectives import start_bucket_reduction
 from ._grad_slots import GradientSlots
 from ._model import param_name
 from ._stage3_guard import REDUCTION
-from ._zeropp import quantized_reduction
+from ._zeropp import QuantizedReduction
 
 logger = logging.getLogger("ds_zero._optimizer")
 
@@ -68,7 +68,7 @@ class GradientReducer:
         self._callback_queued = False
         self._foreign_pass = False  # the backward now running is another optimizer's (stages 2-3: held)
         # stage 3 with qgZ: the reduce-scatter is ZeRO++'s quantized hierarchical one (`_zeropp`)
-        self.quantized = quantized_reduction(groups[0]) if trained_stage3 is not None and \
+        self.quantized = QuantizedReduction(groups[0]) if trained_stage3 is not None and \
             policy.zeropp.quantized_gradients else None
 
     # ------------------------------------------------------------------------------ during backward

@@ -107,9 +107,12 @@ class ShardedParams:
         for unit in self.stage3.units:
             lo = unit.bucket.offset + self.rank * unit.bucket.shard
             start = self.shard_starts[unit.index]
-            store = self.stage3.shards  # (MixZ++'s quantized shards: read, written again below)
-            shard = self.partition[start:start + unit.bucket.shard] if store is None else \
-                store.start_read_params(start, unit.bucket.shard)[1]
+            store = self.stage3.shards  # (NVMe's or MixZ++'s shards: read, written again below)
+            if store is None:
+                shard = self.partition[start:start + unit.bucket.shard]
+            else:
+                read, shard = store.start_read_params(start, unit.bucket.shard)
+                read.wait()
             for p, shape, offset in zip(unit.params, unit.shapes, unit.offsets, strict=True):
                 if id(p) not in values:
                     continue

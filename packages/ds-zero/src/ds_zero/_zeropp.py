@@ -14,7 +14,7 @@ branch of its own for them.
     dropped at the end of each backward and at each step, so they never hold values older than the shards.
   GatheredParameters, the 16-bit export, checkpoints and ``safe_get_*`` read exact values: a gather outside the
   forward/backward is exact, and a unit still gathered by qwZ is gathered exactly again for them (`exact`).
-* **qgZ** (`quantized_reduction`): the gradient reduce-scatter as DeepSpeed's ``all_to_all_quant_reduce``,
+* **qgZ** (`QuantizedReduction`): the gradient reduce-scatter as DeepSpeed's ``all_to_all_quant_reduce``,
   int4 blocks inside the node and across (`ds_comm.quantized_reduce_scatter` over `ds_comm.HierarchicalGroups`).
 * **MixZ++** (`QuantizedShards`, ``zero_quantized_nontrainable_weights``): the frozen parameters' partition stored
   as int8 blocks, and their units gathered as qwZ gathers (the stored blocks are what travels).
@@ -204,11 +204,6 @@ class QuantizedReduction:
 
     def close(self) -> None:
         self._thread.shutdown(wait=True)
-
-
-def quantized_reduction(group: Any) -> QuantizedReduction:
-    """qgZ's reduce-scatter over ZeRO's ``group`` (the world's ranks): see `QuantizedReduction`."""
-    return QuantizedReduction(group)
 
 
 class _Read:
